@@ -1,0 +1,148 @@
+"""The RL prompt loader shared by every task, in verl's parquet schema.
+
+Each row of a task's parquet file holds:
+    data_source   str                       picks the verifier ("arith", "openai/gsm8k")
+    prompt        list of {role, content}   the chat the policy completes
+    ability       str                       a tag ("math")
+    reward_model  {style, ground_truth}     style "rule"; ground_truth is a string
+    extra_info    dict                      free-form (split, index, ...)
+
+Make the task files, then load them:
+    python data/arith.py                                       # data/arith/{train,val}.parquet
+    python data/gsm8k.py --local-dir /path/to/gsm8k            # data/gsm8k/{train,test}.parquet
+    python -c "from data import read_rl_parquet; print(read_rl_parquet('data/arith/val.parquet')[0])"
+Test:
+    python -m pytest tests/test_data.py -q
+"""
+
+import importlib.util
+import os
+
+import pyarrow.parquet as pq
+
+from data import arith, gsm8k
+
+REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
+
+# verl's names for the built-in tasks; custom tasks go through load_reward_fn(path)
+_SCORERS = {"arith": arith.compute_score, "openai/gsm8k": gsm8k.compute_score}
+
+
+def read_rl_parquet(path: str) -> list[dict]:
+    """Read one parquet file in verl's RL schema into plain python rows, checking every row."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"RL parquet file not found: {path}")
+    table = pq.read_table(path)
+    for column in REQUIRED_COLUMNS:
+        if column not in table.column_names:
+            raise ValueError(f"{path}: missing required column {column!r} (columns: {table.column_names})")
+    # to_pylist yields plain lists/dicts/str; pandas would hand back numpy arrays for list columns
+    rows = table.to_pylist()
+    for index, row in enumerate(rows):
+        _check_row(row, f"{path}, row {index}")
+        row["extra_info"] = row.get("extra_info") or {}
+        row["ability"] = row.get("ability") or ""
+    return rows
+
+
+def _check_row(row: dict, where: str) -> None:
+    if not isinstance(row["data_source"], str):
+        raise ValueError(f"{where}: field 'data_source' must be a string, got {row['data_source']!r:.200}")
+    prompt = row["prompt"]
+    if not isinstance(prompt, list) or not prompt or not all(_is_message(m) for m in prompt):
+        raise ValueError(
+            f"{where}: field 'prompt' must be a non-empty list of {{'role': str, 'content': str}}, got {prompt!r:.200}"
+        )
+    reward_model = row["reward_model"]
+    if not isinstance(reward_model, dict) or not isinstance(reward_model.get("ground_truth"), str):
+        raise ValueError(f"{where}: field 'reward_model' needs a string 'ground_truth', got {reward_model!r:.200}")
+
+
+def _is_message(message) -> bool:
+    return (
+        isinstance(message, dict)
+        and isinstance(message.get("role"), str)
+        and isinstance(message.get("content"), str)
+    )
+
+
+def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat-template the messages (ending in the assistant turn) and return plain token ids."""
+    # render then encode: apply_chat_template(tokenize=True) returns a dict in some transformers versions
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # the template already holds the special tokens it wants
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class RLDataset:
+    """Tokenized prompts from one or more RL parquet files, in file order."""
+
+    def __init__(self, files: list[str] | str, tokenizer, max_prompt_length: int, truncate: bool = False):
+        files = [files] if isinstance(files, str) else list(files)
+        if not files:
+            raise ValueError("RLDataset: files is empty")
+        if max_prompt_length < 1:
+            raise ValueError(f"RLDataset: max_prompt_length must be >= 1, got {max_prompt_length}")
+        self.max_prompt_length = max_prompt_length
+        self.truncate = truncate
+        self.num_truncated = 0
+        self.items = []
+        for path in files:
+            for row_index, row in enumerate(read_rl_parquet(path)):
+                ids = tokenize_prompt(tokenizer, row["prompt"])
+                self.items.append(
+                    dict(
+                        prompt_ids=self._fit(ids, f"{path}, row {row_index}"),
+                        data_source=row["data_source"],
+                        ground_truth=row["reward_model"]["ground_truth"],
+                        extra_info=row["extra_info"],
+                    )
+                )
+
+    def _fit(self, ids: list[int], where: str) -> list[int]:
+        if len(ids) <= self.max_prompt_length:
+            return ids
+        if not self.truncate:
+            raise ValueError(
+                f"{where}: prompt is {len(ids)} tokens, over max_prompt_length={self.max_prompt_length} "
+                "(raise the limit, or pass truncate=True to keep the last tokens)"
+            )
+        self.num_truncated += 1
+        # keep the end, where the question and the generation prompt sit (verl's truncation="left")
+        return ids[-self.max_prompt_length :]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return {**self.items[i], "index": i}
+
+
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float:
+    """Score one response with the built-in verifier for its data_source."""
+    if data_source not in _SCORERS:
+        raise ValueError(
+            f"no built-in verifier for data_source {data_source!r} (known: {sorted(_SCORERS)}); "
+            "pass a custom reward function file instead"
+        )
+    return float(_SCORERS[data_source](solution_str, ground_truth))
+
+
+def load_reward_fn(path: str | None, name: str = "compute_score"):
+    """Return the reward fn `(data_source, solution_str, ground_truth, extra_info=None) -> float`.
+
+    With path None it is default_compute_score; else it is the function `name` in the python file
+    at `path` (verl's custom_reward_function.path / .name).
+    """
+    if path is None:
+        return default_compute_score
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"reward function file not found: {path}")
+    spec = importlib.util.spec_from_file_location("custom_reward", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise AttributeError(f"reward function file {path} has no function {name!r}")
+    return getattr(module, name)

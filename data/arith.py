@@ -1,0 +1,145 @@
+"""The built-in arithmetic task: prompts like "12+34=" and an exact-integer verifier.
+
+Write data/arith/train.parquet and data/arith/val.parquet (verl's RL schema):
+    python data/arith.py
+    python data/arith.py --out-dir /tmp/arith --n-train 5000 --ops "+-*" --digits 3
+Score a response from python:
+    python -c "from data.arith import compute_score; print(compute_score('46', '46'))"
+Test:
+    python -m pytest tests/test_data.py -q
+"""
+
+import operator
+import os
+import random
+import re
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import tyro
+
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
+@dataclass
+class ArithConfig:
+    out_dir: str = "data/arith"
+    """Folder for train.parquet and val.parquet (created if missing)."""
+    n_train: int = 20000
+    """Number of training problems (drawn with replacement, never one of the val problems)."""
+    n_val: int = 200
+    """Number of validation problems."""
+    ops: str = "+-"
+    """Operators to draw from: characters among + - *."""
+    digits: int = 2
+    """Max digits per operand: operands are uniform in [0, 10**digits - 1]."""
+    seed: int = 0
+    """Base seed; train and val draw from different seeds derived from it."""
+
+    def __post_init__(self):
+        if not self.ops or set(self.ops) - set(_OPS):
+            raise ValueError(f"ops={self.ops!r}: use one or more characters among {''.join(_OPS)!r}")
+        if self.digits < 1:
+            raise ValueError(f"digits={self.digits}: must be >= 1")
+        if self.n_train < 1 or self.n_val < 1:
+            raise ValueError(f"n_train={self.n_train}, n_val={self.n_val}: both must be >= 1")
+        # train skips every val expression, so at least one expression must be left for it
+        if self.n_val >= num_expressions(self):
+            raise ValueError(f"n_val={self.n_val}: must be below the {num_expressions(self)} distinct expressions")
+
+
+def num_expressions(cfg: ArithConfig) -> int:
+    """How many distinct expressions the config can draw."""
+    return (10**cfg.digits) ** 2 * len(set(cfg.ops))
+
+
+def make_problems(cfg: ArithConfig, n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[dict]:
+    """Draw n problems {"expression", "answer"}, deterministic by seed, skipping expressions in exclude."""
+    rng = random.Random(seed)
+    ops = sorted(set(cfg.ops))
+    problems = []
+    while len(problems) < n:
+        a, b = rng.randrange(10**cfg.digits), rng.randrange(10**cfg.digits)
+        op = rng.choice(ops)
+        expression = f"{a}{op}{b}"
+        if expression not in exclude:
+            problems.append({"expression": expression, "answer": str(_OPS[op](a, b))})
+    return problems
+
+
+def to_row(problem: dict, split: str, index: int) -> dict:
+    """One problem as a row of verl's RL schema."""
+    return {
+        "data_source": "arith",
+        # just the expression: a tiny character-level policy reads it
+        "prompt": [{"role": "user", "content": problem["expression"] + "="}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
+        "extra_info": {"split": split, "index": index, **problem},
+    }
+
+
+def make_splits(cfg: ArithConfig) -> tuple[list[dict], list[dict]]:
+    """(train_rows, val_rows); no val expression appears in train."""
+    # 2s and 2s+1 never collide, whatever the base seed
+    val = make_problems(cfg, cfg.n_val, seed=2 * cfg.seed + 1)
+    train = make_problems(cfg, cfg.n_train, seed=2 * cfg.seed, exclude=frozenset(p["expression"] for p in val))
+    return (
+        [to_row(p, "train", i) for i, p in enumerate(train)],
+        [to_row(p, "val", i) for i, p in enumerate(val)],
+    )
+
+
+def sft_response(row: dict) -> str:
+    """The target response for a supervised warm start: just the answer."""
+    return row["reward_model"]["ground_truth"]
+
+
+def _write_atomic(rows: list[dict], path: str) -> None:
+    # write beside the target, then rename: a crash never leaves a half-written parquet
+    tmp = path + ".tmp"
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)
+
+
+def write_parquet(cfg: ArithConfig) -> tuple[str, str]:
+    """Write train.parquet and val.parquet in cfg.out_dir; return their paths."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    train_path, val_path = os.path.join(cfg.out_dir, "train.parquet"), os.path.join(cfg.out_dir, "val.parquet")
+    train, val = make_splits(cfg)
+    _write_atomic(train, train_path)
+    _write_atomic(val, val_path)
+    return train_path, val_path
+
+
+# An integer, optionally negative, plain (1234) or with thousands separators (1,234).
+# Lookarounds keep it from matching inside a larger token:
+#   - a "-" right after a digit is subtraction, not a sign: "5-3" reads as 5 and 3;
+#   - decimals are not integers: "3.5" yields nothing, but a sentence-ending "46." yields 46;
+#   - a comma followed by digits that are not a 3-digit group ("12,34") is no number at all.
+_INTEGER = re.compile(
+    r"""
+    (?<![0-9.,])                        # not inside another number; "5-3" has no sign
+    (-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+))
+    (?![0-9]|[.,][0-9])                 # not followed by more digits or a decimal part
+    """,
+    re.VERBOSE,
+)
+
+
+def compute_score(solution_str: str, ground_truth: str) -> float:
+    """1.0 if the last integer in solution_str equals ground_truth, else 0.0 (also when none).
+
+    Text around the answer is fine ("the answer is 46." scores 1.0 against "46"); "1,234" equals
+    1234; see _INTEGER for what counts as an integer.
+    """
+    found = _INTEGER.findall(solution_str)
+    if not found:
+        return 0.0
+    return 1.0 if int(found[-1].replace(",", "")) == int(ground_truth) else 0.0
+
+
+if __name__ == "__main__":
+    for path in write_parquet(tyro.cli(ArithConfig)):
+        print(path)

@@ -1,0 +1,481 @@
+"""The RL core of nanoverl: config, actor worker, log-probs, policy loss, KL, loss aggregation, the loop.
+
+    python grpo.py                       # the default run: GRPO on the built-in task (see grpo.py)
+    python grpo.py --help                # every field of Config below
+
+One RL step, as verl (HybridFlow) does it:
+    generate (vLLM, n samples per prompt) -> reward (rule-based verifier) -> old / ref log-probs
+    -> advantages -> actor update on micro-batches -> stream the new weights into the rollout engine
+The loop is written against a worker with plain methods (generate, log_probs, update, sync_weights),
+so torchrun (every rank runs this loop on its shard) and Ray (a driver calls worker groups) reuse it.
+Advantage estimators are passed in (grpo.py); this file holds no GRPO specifics.
+"""
+
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from data import RLDataset, load_reward_fn
+from rollout import make_rollout
+
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLKind = Literal["k1", "k2", "k3", "low_var_kl", "mse"]
+
+
+@dataclass
+class Config:
+    # ---- model and data ----
+    model_path: str | None = None
+    """HF model folder of the policy; None warm-starts the built-in tiny policy (sft.py, cached)."""
+    train_files: str | None = None
+    """RL parquet(s) in verl's schema, comma-separated; None writes the built-in arith task."""
+    val_files: str | None = None
+    """Held-out parquet(s) for greedy evaluation; None uses the built-in task's."""
+    val_size: int = 200
+    """Held-out prompts per evaluation (the first val_size rows)."""
+    reward_fn_path: str | None = None
+    """A .py file holding a custom reward function (verl's custom_reward_function.path); None: built-in."""
+    reward_fn_name: str = "compute_score"
+    """Name of the function in reward_fn_path: (data_source, solution_str, ground_truth, extra_info)."""
+    max_prompt_length: int = 32
+    """Prompt tokens; a longer prompt is an error naming its row, unless truncate_prompts."""
+    truncate_prompts: bool = False
+    """Keep the last max_prompt_length tokens of long prompts (counted) instead of raising."""
+    max_response_length: int = 8
+    """Generated tokens per response (the EOS included)."""
+    # ---- rollout ----
+    rollout_backend: Literal["vllm", "hf"] = "vllm"
+    """In-process vLLM engine, or HF generate on the trainer's model (same interface)."""
+    n: int = 8
+    """Responses sampled per prompt (the group of GRPO)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer divides logits by it too, so log-probs agree."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    # ---- algorithm ----
+    norm_adv_by_std: bool = True
+    """GRPO divides a group's centred rewards by their std; Dr.GRPO (False) does not."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio floor is 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio ceiling is 1 + clip_ratio_high (DAPO's clip-higher raises it, e.g. 0.28)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (Ye et al. 2020); must exceed 1."""
+    loss_agg_mode: AggMode = "token-mean"
+    """How token losses become one number (see agg_loss)."""
+    use_kl_loss: bool = False
+    """Add beta * KL(policy || frozen reference) to the loss (GRPO's KL term)."""
+    kl_loss_coef: float = 0.001
+    """beta of the KL loss."""
+    kl_loss_type: KLKind = "low_var_kl"
+    """KL estimator: k1, k2 (mse) or k3 (low_var_kl), after Schulman's 'Approximating KL divergence'."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (subtracted from the loss)."""
+    # ---- optimisation ----
+    lr: float = 2e-4
+    """Actor AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global grad norm; a non-finite norm skips the optimizer step."""
+    train_batch_size: int = 32
+    """Prompts per RL step (each sampled n times)."""
+    ppo_mini_batch_size: int = 32
+    """Prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per epoch."""
+    ppo_micro_batch_size: int = 64
+    """Sequences per forward/backward pass (gradient accumulation); also the log-prob pass size."""
+    ppo_epochs: int = 1
+    """Passes over each RL batch."""
+    total_steps: int = 60
+    """RL steps."""
+    # ---- run ----
+    eval_every: int = 10
+    """Steps between greedy evaluations (also before the first step and at the end)."""
+    out_dir: str = "out/grpo"
+    """Where metrics.jsonl, curves.png and final/ go."""
+    seed: int = 0
+    """Seed of data order, sampling (per step and prompt) and initialisation."""
+
+    def __post_init__(self):
+        if self.train_batch_size % self.ppo_mini_batch_size:
+            raise ValueError(f"train_batch_size={self.train_batch_size} must be a multiple of "
+                             f"ppo_mini_batch_size={self.ppo_mini_batch_size}")
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        if self.n < 1 or self.temperature <= 0:
+            raise ValueError("n must be >= 1 and temperature > 0")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Losses: all take [B, R] tensors over response tokens and a response mask
+# ---------------------------------------------------------------------------------------------------
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def agg_loss(loss_mat, mask, mode: AggMode, n_tokens=None, n_seqs=None, norm_len=None) -> torch.Tensor:
+    """Reduce token losses [B, R] to a scalar.
+
+    n_tokens / n_seqs are the counts of the whole mini-batch: when a mini-batch is split into
+    micro-batches, each micro-batch divides by the mini-batch's counts, so the summed gradients equal
+    the mini-batch's gradient in every mode. norm_len is Dr.GRPO's constant length (default R).
+    """
+    n_tokens = mask.sum() if n_tokens is None else n_tokens
+    n_seqs = mask.shape[0] if n_seqs is None else n_seqs
+    norm_len = mask.shape[-1] if norm_len is None else norm_len
+    token_sum = (loss_mat * mask).sum(-1)  # [B]
+    if mode == "token-mean":  # every token weighs the same (DAPO)
+        return token_sum.sum() / n_tokens
+    if mode == "seq-mean-token-sum":  # every sequence's summed loss weighs the same
+        return token_sum.sum() / n_seqs
+    if mode == "seq-mean-token-mean":  # every sequence weighs the same (original GRPO)
+        return (token_sum / mask.sum(-1).clamp(min=1)).sum() / n_seqs
+    if mode == "seq-mean-token-sum-norm":  # a constant normaliser, no length bias (Dr.GRPO)
+        return token_sum.sum() / (n_seqs * norm_len)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}")
+
+
+def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, clip_c, agg_mode, **agg_kw):
+    """PPO clipped surrogate with dual-clip; returns (loss, metrics of clipping and approximate KL).
+
+    logp, old_logp, adv, mask: [B, R]. Clip-higher (DAPO) uses clip_high > clip_low.
+    """
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)  # [B, R], clamped so exp cannot overflow
+    ratio = log_ratio.exp()
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)  # pessimistic of the two
+    # Dual-clip (Ye et al. 2020): for adv < 0, bound the loss by -adv * clip_c when the ratio explodes.
+    loss_dual = torch.minimum(loss_ppo, -adv * clip_c)
+    loss_mat = torch.where(adv < 0, loss_dual, loss_ppo)  # [B, R]
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
+        "actor/pg_clipfrac_lower": masked_mean(((loss_ppo > -adv * clip_c) & (adv < 0)).float(), mask).item(),
+        "actor/ppo_kl": masked_mean(-log_ratio, mask).item(),
+    }
+    return agg_loss(loss_mat, mask, agg_mode, **agg_kw), metrics
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torch.Tensor:
+    """Per-token KL(policy || ref) estimate [B, R] from sampled-token log-probs (Schulman 2020)."""
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind in ("k2", "mse"):
+        return 0.5 * log_ratio.square()
+    if kind in ("k3", "low_var_kl"):  # ratio - 1 - log ratio with ratio = ref / policy: unbiased, >= 0
+        neg = -log_ratio
+        return (neg.exp() - 1.0 - neg).clamp(-10.0, 10.0)  # clamped as verl does, for stability
+    raise ValueError(f"unknown kl_loss_type {kind!r}")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) along the vocabulary: [..., V] -> [...]."""
+    probs = logits.softmax(-1)
+    return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The actor worker: rollout engine + trainable policy (+ frozen reference) in one process
+# ---------------------------------------------------------------------------------------------------
+
+
+def pad_batch(prompts: list[list[int]], responses: list[list[int]], rollout_logps: list[list[float]], pad_id: int):
+    """Left-pad prompts and right-pad responses into verl's batch layout (a TensorDict of [B, ...])."""
+    B, P, R = len(responses), max(map(len, prompts)), max(1, max(map(len, responses)))
+    prompt_ids = torch.full((B, P), pad_id)  # [B, P]
+    response_ids = torch.full((B, R), pad_id)  # [B, R]
+    prompt_mask = torch.zeros(B, P, dtype=torch.long)
+    response_mask = torch.zeros(B, R, dtype=torch.long)
+    rollout_log_probs = torch.zeros(B, R)
+    for b, (p, r, lp) in enumerate(zip(prompts, responses, rollout_logps)):
+        prompt_ids[b, P - len(p) :], prompt_mask[b, P - len(p) :] = torch.tensor(p), 1
+        response_ids[b, : len(r)], response_mask[b, : len(r)] = torch.tensor(r, dtype=torch.long), 1
+        rollout_log_probs[b, : len(r)] = torch.tensor(lp)
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)  # [B, P + R]
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, P + R], 0 at the first real token
+    return TensorDict(
+        prompts=prompt_ids, responses=response_ids, input_ids=torch.cat([prompt_ids, response_ids], 1),
+        attention_mask=attention_mask, position_ids=position_ids, response_mask=response_mask.float(),
+        rollout_log_probs=rollout_log_probs, batch_size=[B],
+    )
+
+
+def response_log_probs(model, batch: TensorDict, temperature: float, with_entropy: bool = False):
+    """Log-prob [B, R] (and entropy [B, R]) of each response token under model, at the sampling temperature."""
+    R = batch["responses"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], use_cache=False).logits  # [B, P + R, V]
+    logits = logits[:, -R - 1 : -1].float() / temperature  # [B, R, V]: position t predicts token t + 1
+    logp = torch.log_softmax(logits, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)  # [B, R]
+    return (logp, entropy_from_logits(logits)) if with_entropy else (logp, None)
+
+
+class ActorWorker:
+    """The colocated actor: generates with its rollout engine, computes log-probs, updates, syncs weights."""
+
+    def __init__(self, cfg: Config, model_path: str):
+        self.cfg = cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        torch.manual_seed(cfg.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+        self.model.train()  # no dropout in these models; train mode keeps the packed-sequence paths honest
+        self.ref = None
+        if cfg.use_kl_loss:  # the frozen reference: the initial policy
+            self.ref = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+            self.ref.requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=self.model,
+                                    tokenizer=self.tokenizer,
+                                    max_model_len=cfg.max_prompt_length + cfg.max_response_length, seed=cfg.seed)
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> TensorDict:
+        """n responses per prompt (prompt-major: rows i*n .. i*n+n-1 share prompt i) -> batch."""
+        n = 1 if greedy else self.cfg.n
+        out = self.rollout.generate(prompts, n=n, max_tokens=self.cfg.max_response_length,
+                                    temperature=0.0 if greedy else self.cfg.temperature,
+                                    top_p=self.cfg.top_p, seeds=seeds)
+        repeated = [p for p in prompts for _ in range(n)]
+        return pad_batch(repeated, out.responses, out.log_probs, self.tokenizer.pad_token_id)
+
+    @torch.no_grad()
+    def log_probs(self, batch: TensorDict, ref: bool = False) -> torch.Tensor:
+        """Sampled-token log-probs [B, R] under the current policy (or the frozen reference)."""
+        model = self.ref if ref else self.model
+        parts = [response_log_probs(model, mb, self.cfg.temperature)[0]
+                 for mb in batch.split(self.cfg.ppo_micro_batch_size)]
+        return torch.cat(parts)
+
+    def update(self, batch: TensorDict) -> dict:
+        """PPO epochs over mini-batches; each mini-batch is one optimizer step over its micro-batches."""
+        cfg, metrics = self.cfg, {}
+        mini = cfg.ppo_mini_batch_size * cfg.n
+        for _ in range(cfg.ppo_epochs):
+            for mb in batch.split(mini):
+                n_tokens, n_seqs = mb["response_mask"].sum(), mb.batch_size[0]
+                for micro in mb.split(cfg.ppo_micro_batch_size):
+                    logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True)
+                    mask = micro["response_mask"]
+                    agg = dict(agg_mode=cfg.loss_agg_mode, n_tokens=n_tokens, n_seqs=n_seqs,
+                               norm_len=cfg.max_response_length)
+                    pg_loss, pg_metrics = policy_loss(logp, micro["old_log_probs"], micro["advantages"], mask,
+                                                      cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, **agg)
+                    ent = agg_loss(entropy, mask, **{"mode": agg.pop("agg_mode"), **agg})
+                    loss = pg_loss - cfg.entropy_coeff * ent
+                    step_metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item(), **pg_metrics}
+                    if cfg.use_kl_loss:
+                        kl = agg_loss(kl_penalty(logp, micro["ref_log_probs"], cfg.kl_loss_type), mask,
+                                      cfg.loss_agg_mode, n_tokens, n_seqs, cfg.max_response_length)
+                        loss = loss + cfg.kl_loss_coef * kl
+                        step_metrics["actor/kl_loss"] = kl.item()
+                    loss.backward()
+                    # Losses are mini-batch sums over micro-batches; ratios are averaged over micro-batches.
+                    for k, v in step_metrics.items():
+                        metrics.setdefault(k, []).append(v * micro.batch_size[0] / n_seqs)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                if torch.isfinite(grad_norm):
+                    self.opt.step()
+                else:  # a NaN/inf gradient would poison the weights: skip this step
+                    metrics.setdefault("actor/skipped_steps", []).append(1.0)
+                self.opt.zero_grad(set_to_none=True)
+                metrics.setdefault("actor/grad_norm", []).append(grad_norm.item())
+        n_mini = cfg.ppo_epochs * (batch.batch_size[0] // mini)
+        out = {k: sum(v) / n_mini for k, v in metrics.items() if k not in ("actor/grad_norm", "actor/skipped_steps")}
+        out["actor/grad_norm"] = sum(metrics["actor/grad_norm"]) / len(metrics["actor/grad_norm"])
+        out["actor/skipped_steps"] = sum(metrics.get("actor/skipped_steps", [0.0]))
+        out["actor/lr"] = self.opt.param_groups[0]["lr"]
+        return out
+
+    def sync_weights(self):
+        """Hand the updated weights to the rollout engine (the hybrid engine streams them; see rollout.py)."""
+        self.rollout.update_weights((name, p.detach()) for name, p in self.model.named_parameters())
+
+    def save(self, path: str):
+        tmp = path + ".tmp"
+        self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        if os.path.exists(path):
+            os.rename(path, path + ".old")
+        os.replace(tmp, path)  # written whole, then renamed: an interrupted save leaves no half checkpoint
+        shutil.rmtree(path + ".old", ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rewards, evaluation, logging
+# ---------------------------------------------------------------------------------------------------
+
+
+def score(batch: TensorDict, rows: list[dict], tokenizer, reward_fn) -> torch.Tensor:
+    """One scalar reward per response [B] from the task's verifier; rows[b] is response b's prompt row."""
+    texts = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+    return torch.tensor([float(reward_fn(r["data_source"], t, r["ground_truth"], r["extra_info"]))
+                         for r, t in zip(rows, texts)])
+
+
+def evaluate(worker: ActorWorker, val_rows: list[dict], reward_fn) -> dict:
+    """Greedy accuracy on held-out prompts (one response each)."""
+    batch = worker.generate([r["prompt_ids"] for r in val_rows], seeds=None, greedy=True)
+    scores = score(batch, val_rows, worker.tokenizer, reward_fn)
+    return {"val/accuracy": scores.mean().item(), "val/response_length": batch["response_mask"].sum(-1).mean().item()}
+
+
+@contextmanager
+def timer(name: str, metrics: dict):
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = time.perf_counter() - start
+
+
+def plot_curves(records: list[dict], path: str):
+    """curves.png: training reward and held-out accuracy against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    train = [r for r in records if "critic/score/mean" in r]
+    ax1.plot([r["step"] for r in train], [r["critic/score/mean"] for r in train])
+    ax1.set(xlabel="step", ylabel="mean reward", title="training reward")
+    val = [r for r in records if "val/accuracy" in r]
+    ax2.plot([r["step"] for r in val], [r["val/accuracy"] for r in val], marker="o")
+    ax2.set(xlabel="step", ylabel="greedy accuracy", title="held-out accuracy", ylim=(0, 1))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def prompt_indices(step: int, cfg: Config, n_rows: int) -> list[int]:
+    """The dataset rows of a step: a fresh seeded permutation per epoch, so a step alone decides them."""
+    per_epoch = n_rows // cfg.train_batch_size
+    epoch, pos = divmod(step - 1, per_epoch)
+    perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 10_007 + epoch))
+    return perm[pos * cfg.train_batch_size : (pos + 1) * cfg.train_batch_size].tolist()
+
+
+def sample_seed(cfg: Config, step: int, row: int) -> int:
+    """The sampling seed of one prompt at one step: a replayed step samples the same responses."""
+    return (cfg.seed * 1_000_003 + step * 100_003 + row) % (2**31 - 1)
+
+
+def resolve_defaults(cfg: Config) -> tuple[str, str, str]:
+    """(model_path, train_files, val_files), warm-starting the built-in policy on the built-in task if unset."""
+    from sft import SFTConfig, builtin_files, run as run_sft
+
+    model_path = cfg.model_path or run_sft(SFTConfig())
+    if cfg.train_files and cfg.val_files:
+        return model_path, cfg.train_files, cfg.val_files
+    train_files, val_files = builtin_files(SFTConfig(), os.path.join(cfg.out_dir, "data"))
+    return model_path, cfg.train_files or train_files, cfg.val_files or val_files
+
+
+# ---------------------------------------------------------------------------------------------------
+# The training loop
+# ---------------------------------------------------------------------------------------------------
+
+AdvantageFn = Callable[[TensorDict, Config], TensorDict]
+
+
+def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
+    """Run cfg.total_steps RL steps; returns the logged records (also in out_dir/metrics.jsonl)."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    model_path, train_files, val_files = resolve_defaults(cfg)
+    worker = ActorWorker(cfg, model_path)
+    reward_fn = load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name)
+    train_ds = RLDataset(train_files.split(","), worker.tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
+    val_ds = RLDataset(val_files.split(","), worker.tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
+    val_rows = [val_ds[i] for i in range(min(cfg.val_size, len(val_ds)))]
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(asdict(cfg), f, indent=1)
+    log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w")
+    records = []
+
+    def emit(record: dict):
+        records.append(record)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+
+    emit({"step": 0, **evaluate(worker, val_rows, reward_fn)})
+    bar = tqdm(range(1, cfg.total_steps + 1), desc="rl")
+    for step in bar:
+        metrics = {"step": step}
+        with timer("step", metrics):
+            rows = [train_ds[i] for i in prompt_indices(step, cfg, len(train_ds))]
+
+            # ==================== 1. generate: n responses per prompt ====================
+            with timer("gen", metrics):
+                batch = worker.generate([r["prompt_ids"] for r in rows], [sample_seed(cfg, step, r["index"]) for r in rows])
+            batch["group"] = torch.arange(len(rows)).repeat_interleave(cfg.n)  # [B]: which prompt
+            rows = [r for r in rows for _ in range(cfg.n)]
+
+            # ==================== 2. reward: the task's verifier ====================
+            with timer("reward", metrics):
+                batch["scores"] = score(batch, rows, worker.tokenizer, reward_fn)  # [B]
+
+            # ==================== 3. old (and reference) log-probs ====================
+            with timer("old_log_prob", metrics):
+                batch["old_log_probs"] = worker.log_probs(batch)  # [B, R]
+            if cfg.use_kl_loss:
+                with timer("ref", metrics):
+                    batch["ref_log_probs"] = worker.log_probs(batch, ref=True)  # [B, R]
+
+            # ==================== 4. advantages ====================
+            with timer("adv", metrics):
+                batch["advantages"] = compute_advantages(batch, cfg)  # [B, R]
+
+            # ==================== 5. update the actor ====================
+            with timer("update_actor", metrics):
+                metrics.update(worker.update(batch))
+
+            # ==================== 6. stream the new weights into the rollout engine ====================
+            with timer("update_weights", metrics):
+                worker.sync_weights()
+
+        # ==================== 7. metrics, evaluation ====================
+        metrics.update(batch_metrics(batch))
+        metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]
+        if step % cfg.eval_every == 0 or step == cfg.total_steps:
+            with timer("testing", metrics):
+                metrics.update(evaluate(worker, val_rows, reward_fn))
+        emit(metrics)
+        bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", acc=metrics.get("val/accuracy", ""))
+
+    worker.save(os.path.join(cfg.out_dir, "final"))
+    plot_curves(records, os.path.join(cfg.out_dir, "curves.png"))
+    log.close()
+    first, last = records[0]["val/accuracy"], records[-1]["val/accuracy"]
+    print(f"held-out greedy accuracy: {first:.3f} -> {last:.3f}; outputs in {cfg.out_dir}")
+    return records
+
+
+def batch_metrics(batch: TensorDict) -> dict:
+    """verl's data metrics of one step: rewards, advantages, lengths, engine/trainer log-prob gap."""
+    mask = batch["response_mask"]
+    lengths = mask.sum(-1)  # [B]
+    gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask  # [B, R]
+    return {
+        "critic/score/mean": batch["scores"].mean().item(),
+        "critic/score/max": batch["scores"].max().item(),
+        "critic/score/min": batch["scores"].min().item(),
+        "critic/advantages/mean": masked_mean(batch["advantages"], mask).item(),
+        "critic/advantages/max": batch["advantages"].max().item(),
+        "critic/advantages/min": batch["advantages"].min().item(),
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/clip_ratio": (lengths >= mask.shape[1]).float().mean().item(),
+        "prompt_length/mean": (batch["attention_mask"].sum(-1) - lengths).float().mean().item(),
+        "rollout/logprob_diff_max": gap.max().item(),
+        "rollout/logprob_diff_mean": (gap.sum() / mask.sum().clamp(min=1)).item(),
+    }
