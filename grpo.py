@@ -27,9 +27,14 @@ def group_advantages(scores: torch.Tensor, group: torch.Tensor, norm_by_std: boo
     mean = torch.zeros(n_groups).index_add_(0, group, scores) / count  # [G]
     sq_dev = torch.zeros(n_groups).index_add_(0, group, (scores - mean[group]).square())
     std = (sq_dev / (count - 1).clamp(min=1)).sqrt()  # [G], unbiased like torch.std
-    mean, std = torch.where(count > 1, mean, 0.0), torch.where(count > 1, std, 1.0)
-    centred = scores - mean[group]  # [B]
-    return centred / (std[group] + eps) if norm_by_std else centred
+    # Equal rewards must give exactly 0: the float mean of 3 x 0.9 misses 0.9 by an ulp, and dividing
+    # that by a std of the same size would turn it into a sizeable advantage.
+    top = torch.full((n_groups,), -torch.inf).scatter_reduce(0, group, scores, "amax")  # [G]
+    low = torch.full((n_groups,), torch.inf).scatter_reduce(0, group, scores, "amin")  # [G]
+    single = count == 1
+    centred = torch.where(single[group], scores, scores - mean[group])  # [B]
+    centred = torch.where((top == low)[group] & ~single[group], 0.0, centred)
+    return centred / (torch.where(single, 1.0, std)[group] + eps) if norm_by_std else centred
 
 
 def grpo_advantages(batch: TensorDict, cfg: Config) -> torch.Tensor:

@@ -444,7 +444,7 @@ def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
                 worker.sync_weights()
 
         # ==================== 7. metrics, evaluation ====================
-        metrics.update(batch_metrics(batch))
+        metrics.update(batch_metrics(batch, cfg.max_response_length))
         metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]
         if step % cfg.eval_every == 0 or step == cfg.total_steps:
             with timer("testing", metrics):
@@ -460,7 +460,7 @@ def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
     return records
 
 
-def batch_metrics(batch: TensorDict) -> dict:
+def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
     """verl's data metrics of one step: rewards, advantages, lengths, engine/trainer log-prob gap."""
     mask = batch["response_mask"]
     lengths = mask.sum(-1)  # [B]
@@ -474,7 +474,7 @@ def batch_metrics(batch: TensorDict) -> dict:
         "critic/advantages/min": batch["advantages"].min().item(),
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
-        "response_length/clip_ratio": (lengths >= mask.shape[1]).float().mean().item(),
+        "response_length/clip_ratio": (lengths >= max_response_length).float().mean().item(),
         "prompt_length/mean": (batch["attention_mask"].sum(-1) - lengths).float().mean().item(),
         "rollout/logprob_diff_max": gap.max().item(),
         "rollout/logprob_diff_mean": (gap.sum() / mask.sum().clamp(min=1)).item(),

@@ -1,0 +1,364 @@
+"""Hand-checked tests of the loss maths: ppo.py's masked_mean, agg_loss, policy_loss, kl_penalty,
+entropy_from_logits and grpo.py's group_advantages / grpo_advantages. Tiny tensors, no models.
+    python -m pytest tests/test_losses.py -q
+
+Every expected value is written out by hand (literal numbers or scalar python with math), never by
+calling another vectorised implementation of the same formula.
+"""
+
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from grpo import group_advantages, grpo_advantages
+from ppo import Config, agg_loss, entropy_from_logits, kl_penalty, masked_mean, policy_loss
+
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+EPS = 1e-6  # group_advantages' default eps
+
+
+def approx(x, rel=1e-6, abs=1e-6):
+    return pytest.approx(x, rel=rel, abs=abs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# masked_mean / agg_loss
+# ---------------------------------------------------------------------------------------------------
+
+# B=3, R=4; rows hold 3, 2 and 4 real tokens. Padding carries 100 so any leak shows up.
+LOSS = torch.tensor([[1.0, 2.0, 3.0, 100.0],
+                     [4.0, 5.0, 100.0, 100.0],
+                     [6.0, 7.0, 8.0, 9.0]], dtype=torch.float64)
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0],
+                     [1.0, 1.0, 0.0, 0.0],
+                     [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+# Row sums 6, 9, 30 (total 45); 9 tokens; 3 sequences; R = 4.
+HAND = {
+    "token-mean": 45 / 9,  # 5.0
+    "seq-mean-token-sum": 45 / 3,  # 15.0
+    "seq-mean-token-mean": (6 / 3 + 9 / 2 + 30 / 4) / 3,  # (2 + 4.5 + 7.5) / 3 = 14/3
+    "seq-mean-token-sum-norm": 45 / (3 * 4),  # norm_len defaults to R = 4 -> 3.75
+}
+
+
+def test_masked_mean_ignores_padding_and_empty_mask_is_zero():
+    assert masked_mean(LOSS, MASK).item() == approx(45 / 9)
+    assert masked_mean(LOSS, torch.zeros_like(MASK)).item() == 0.0  # clamp(min=1): no 0/0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_agg_loss_modes_by_hand(mode):
+    assert agg_loss(LOSS, MASK, mode).item() == approx(HAND[mode])
+
+
+def test_agg_loss_modes_differ_on_this_batch():
+    # guards the hand table above: the rows have different lengths, so every mode gives its own number
+    assert len({round(v, 9) for v in HAND.values()}) == len(MODES)
+
+
+def test_agg_loss_seq_mean_token_sum_norm_explicit_norm_len():
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_len=8).item() == approx(45 / (3 * 8))  # 1.875
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_len=5).item() == approx(45 / (3 * 5))  # 3.0
+
+
+def test_agg_loss_explicit_counts_override_the_batch_counts():
+    assert agg_loss(LOSS, MASK, "token-mean", n_tokens=15).item() == approx(45 / 15)
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum", n_seqs=5).item() == approx(45 / 5)
+    assert agg_loss(LOSS, MASK, "seq-mean-token-mean", n_seqs=6).item() == approx(14 / 6)
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", n_seqs=6, norm_len=2).item() == approx(45 / 12)
+
+
+@pytest.mark.parametrize("norm_len", [None, 8])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("split", [1, 2])  # uneven micro-batches: rows [0:1]+[1:3] and [0:2]+[2:3]
+def test_agg_loss_micro_batches_sum_to_whole_batch(mode, norm_len, split):
+    whole = agg_loss(LOSS, MASK, mode, norm_len=norm_len).item()
+    expected = HAND[mode] if not (mode == "seq-mean-token-sum-norm" and norm_len == 8) else 45 / (3 * 8)
+    assert whole == approx(expected)
+    parts = [(LOSS[:split], MASK[:split]), (LOSS[split:], MASK[split:])]
+    n_tokens = torch.tensor(9.0, dtype=torch.float64)  # as ActorWorker.update passes it: mask.sum()
+    total = sum(agg_loss(l, m, mode, n_tokens=n_tokens, n_seqs=3, norm_len=norm_len).item() for l, m in parts)
+    assert total == approx(expected)
+
+
+def test_agg_loss_unknown_mode_raises_naming_it():
+    with pytest.raises(ValueError, match="seq-sum-banana"):
+        agg_loss(LOSS, MASK, "seq-sum-banana")
+
+
+# ---------------------------------------------------------------------------------------------------
+# policy_loss
+# ---------------------------------------------------------------------------------------------------
+
+CLIP_LOW, CLIP_HIGH, CLIP_C = 0.2, 0.28, 3.0  # asymmetric (clip-higher): ratio range [0.8, 1.28]
+
+
+def _batch(rows, old_logps):
+    """rows: per sequence a list of (adv, ratio, real?) -> logp, old_logp, adv, mask [B, R] (float64)."""
+    old = torch.tensor(old_logps, dtype=torch.float64)
+    logp = torch.tensor([[o + math.log(r) for o, (_, r, _) in zip(orow, row)] for orow, row in zip(old_logps, rows)],
+                        dtype=torch.float64)
+    adv = torch.tensor([[a for a, _, _ in row] for row in rows], dtype=torch.float64)
+    mask = torch.tensor([[float(m) for _, _, m in row] for row in rows], dtype=torch.float64)
+    return logp, old, adv, mask
+
+
+# (adv, ratio, real token?)
+PL_ROWS = [
+    [(+1.0, 1.5, 1),    # pos adv above 1+clip_high: clipped to 1.28 -> loss -1.28       (clipfrac)
+     (-1.0, 0.5, 1),    # neg adv below 1-clip_low: clipped to 0.8  -> loss 0.8          (clipfrac)
+     (+2.0, 1.1, 1),    # inside the trust region -> -2.2
+     (+5.0, 10.0, 0)],  # padding: would be clipped if it counted
+    [(-2.0, 5.0, 1),    # neg adv, ratio > clip_c: dual-clip -> 2 * 3 = 6                (clipfrac_lower)
+     (+1.0, 0.5, 1),    # pos adv, ratio low: pessimistic max keeps the unclipped -0.5
+     (-1.0, 1.5, 1),    # neg adv, 1.28 < ratio < clip_c: unclipped 1.5 (not dual-clipped)
+     (-3.0, 100.0, 0)], # padding: would be dual-clipped if it counted
+]
+PL_OLD = [[-0.5, -1.0, -2.0, -0.3], [-1.5, -0.7, -0.2, -4.0]]
+PL_TOKEN_LOSSES = [[-1.28, 0.8, -2.2], [6.0, -0.5, 1.5]]  # real tokens only, by hand
+# sum = -1.28 + 0.8 - 2.2 + 6.0 - 0.5 + 1.5 = 4.32 over 6 tokens; row sums -2.68 and 7.0
+
+
+def test_policy_loss_token_mean_and_metrics_by_hand():
+    logp, old, adv, mask = _batch(PL_ROWS, PL_OLD)
+    loss, metrics = policy_loss(logp, old, adv, mask, CLIP_LOW, CLIP_HIGH, CLIP_C, "token-mean")
+    assert loss.item() == approx(4.32 / 6)  # 0.72
+    assert metrics["actor/pg_clipfrac"] == approx(2 / 6)  # row0 tokens 0 and 1
+    assert metrics["actor/pg_clipfrac_lower"] == approx(1 / 6)  # row1 token 0
+    # ppo_kl = mean(old_logp - logp) = mean(-log ratio) over real tokens
+    kl = -(math.log(1.5) + math.log(0.5) + math.log(1.1) + math.log(5.0) + math.log(0.5) + math.log(1.5)) / 6
+    assert metrics["actor/ppo_kl"] == approx(kl)
+
+
+def test_policy_loss_passes_agg_mode_and_counts():
+    logp, old, adv, mask = _batch(PL_ROWS, PL_OLD)
+    args = (logp, old, adv, mask, CLIP_LOW, CLIP_HIGH, CLIP_C)
+    assert policy_loss(*args, "seq-mean-token-sum")[0].item() == approx((-2.68 + 7.0) / 2)
+    assert policy_loss(*args, "seq-mean-token-mean")[0].item() == approx((-2.68 / 3 + 7.0 / 3) / 2)
+    assert policy_loss(*args, "token-mean", n_tokens=12)[0].item() == approx(4.32 / 12)
+    assert policy_loss(*args, "seq-mean-token-sum-norm", n_seqs=4, norm_len=5)[0].item() == approx(4.32 / 20)
+
+
+def test_policy_loss_padding_never_counts():
+    logp, old, adv, mask = _batch(PL_ROWS, PL_OLD)
+    base = policy_loss(logp, old, adv, mask, CLIP_LOW, CLIP_HIGH, CLIP_C, "token-mean")
+    # scramble every padded position: loss and all metrics must stay put
+    pad = mask == 0
+    logp2, old2, adv2 = logp.clone(), old.clone(), adv.clone()
+    logp2[pad], old2[pad], adv2[pad] = 7.0, -9.0, -50.0
+    other = policy_loss(logp2, old2, adv2, mask, CLIP_LOW, CLIP_HIGH, CLIP_C, "token-mean")
+    assert other[0].item() == approx(base[0].item())
+    assert other[1] == pytest.approx(base[1])
+
+
+@pytest.mark.parametrize("adv, ratio, expected, clipped", [
+    (+1.0, 1.5, -1.28, True),   # positive advantage: ratio capped at 1 + clip_high
+    (-1.0, 0.5, 0.8, True),     # negative advantage: ratio floored at 1 - clip_low
+    (+1.0, 1.1, -1.1, False),   # inside [0.8, 1.28]: unclipped
+    (-1.0, 0.9, 0.9, False),
+    (+2.0, 0.85, -1.7, False),
+])
+def test_policy_loss_single_token(adv, ratio, expected, clipped):
+    logp, old, a, mask = _batch([[(adv, ratio, 1)]], [[-1.0]])
+    loss, metrics = policy_loss(logp, old, a, mask, CLIP_LOW, CLIP_HIGH, CLIP_C, "token-mean")
+    assert loss.item() == approx(expected)
+    assert metrics["actor/pg_clipfrac"] == (1.0 if clipped else 0.0)
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+    assert metrics["actor/ppo_kl"] == approx(-math.log(ratio))
+
+
+def test_policy_loss_clip_higher_is_asymmetric():
+    # ratio 1.25 (adv +2) and 0.75 (adv -1) are both 0.25 from 1: with clip_low=0.2, clip_high=0.28 the first
+    # is inside the range (unclipped, -2 * 1.25) and the second is clipped at the floor 0.8 (1 * 0.8).
+    logp, old, adv, mask = _batch([[(+2.0, 1.25, 1), (-1.0, 0.75, 1)]], [[-0.4, -1.2]])
+    loss, m = policy_loss(logp, old, adv, mask, 0.2, 0.28, CLIP_C, "seq-mean-token-sum")
+    assert loss.item() == approx(-2.5 + 0.8)  # -1.7
+    assert m["actor/pg_clipfrac"] == approx(1 / 2)
+    # swapped (clip_low=0.28, clip_high=0.2): 1.25 is now capped at 1.2, 0.75 sits above the floor 0.72
+    loss, m = policy_loss(logp, old, adv, mask, 0.28, 0.2, CLIP_C, "seq-mean-token-sum")
+    assert loss.item() == approx(-2.4 + 0.75)  # -1.65
+    assert m["actor/pg_clipfrac"] == approx(1 / 2)
+
+
+@pytest.mark.parametrize("adv, ratio", [(-2.0, 5.0), (-1.0, 4.0), (-0.5, 1e6)])
+def test_policy_loss_dual_clip_exact(adv, ratio):
+    logp, old, a, mask = _batch([[(adv, ratio, 1)]], [[-1.0]])
+    for dtype in (torch.float64, torch.float32):
+        loss, m = policy_loss(logp.to(dtype), old.to(dtype), a.to(dtype), mask.to(dtype),
+                              CLIP_LOW, CLIP_HIGH, CLIP_C, "token-mean")
+        assert loss.item() == -adv * CLIP_C  # exactly, e.g. 2 * 3 = 6
+        assert m["actor/pg_clipfrac_lower"] == 1.0
+        assert m["actor/pg_clipfrac"] == 0.0  # the upper clip made the loss smaller, not larger
+
+
+def test_policy_loss_dual_clip_only_for_negative_advantages():
+    # positive advantage with a huge ratio: ordinary upper clip at 1.28, no dual clip
+    logp, old, a, mask = _batch([[(+2.0, 5.0, 1)]], [[-1.0]])
+    loss, m = policy_loss(logp, old, a, mask, CLIP_LOW, CLIP_HIGH, CLIP_C, "token-mean")
+    assert loss.item() == approx(-2.0 * 1.28)
+    assert m["actor/pg_clipfrac_lower"] == 0.0
+    assert m["actor/pg_clipfrac"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# kl_penalty
+# ---------------------------------------------------------------------------------------------------
+
+KL_LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-0.25, -3.0, -1.5]], dtype=torch.float64)
+KL_REF = torch.tensor([[-2.0, -1.0, -0.5], [-0.75, -1.0, -1.5]], dtype=torch.float64)
+# log_ratio = logp - ref = [[1, -1, 0], [0.5, -2, 0]]
+
+
+def test_kl_k1():
+    assert kl_penalty(KL_LOGP, KL_REF, "k1").flatten().tolist() == approx([1.0, -1.0, 0.0, 0.5, -2.0, 0.0])
+
+
+@pytest.mark.parametrize("kind", ["k2", "mse"])
+def test_kl_k2_and_mse(kind):
+    assert kl_penalty(KL_LOGP, KL_REF, kind).flatten().tolist() == approx([0.5, 0.5, 0.0, 0.125, 2.0, 0.0])
+
+
+@pytest.mark.parametrize("kind", ["k3", "low_var_kl"])
+def test_kl_k3_and_low_var_kl(kind):
+    # k3 = r - 1 - log r with r = ref / policy = exp(ref - logp)
+    expected = [
+        math.exp(-1.0) - 1.0 + 1.0,   # ref - logp = -1
+        math.exp(1.0) - 1.0 - 1.0,    # ref - logp = +1
+        0.0,
+        math.exp(-0.5) - 1.0 + 0.5,   # ref - logp = -0.5
+        math.exp(2.0) - 1.0 - 2.0,    # ref - logp = +2
+        0.0,
+    ]
+    assert kl_penalty(KL_LOGP, KL_REF, kind).flatten().tolist() == approx(expected)
+
+
+def test_kl_k3_nonnegative_zero_when_equal_and_clamped():
+    vals = [-6.0, -3.0, -1.0, -0.3, -0.01, 0.0]
+    logp = torch.tensor([[a for a in vals for _ in vals]], dtype=torch.float64)
+    ref = torch.tensor([[b for _ in vals for b in vals]], dtype=torch.float64)
+    k3 = kl_penalty(logp, ref, "k3")
+    assert (k3 >= 0).all()
+    same = kl_penalty(ref, ref, "k3")
+    assert (same == 0).all()
+    assert (k3[logp == ref] == 0).all() and (k3[logp != ref] > 0).all()
+    # ref - logp = 19: exp(19) - 20 is huge -> clamped at 10 (as verl does)
+    assert kl_penalty(torch.tensor([-20.0]), torch.tensor([-1.0]), "k3").item() == 10.0
+
+
+def test_kl_unknown_kind_raises():
+    with pytest.raises(ValueError, match="k4"):
+        kl_penalty(KL_LOGP, KL_REF, "k4")
+
+
+# ---------------------------------------------------------------------------------------------------
+# entropy_from_logits
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("V", [2, 5, 7])
+def test_entropy_uniform_is_log_v(V):
+    logits = torch.full((2, 3, V), 3.7)
+    ent = entropy_from_logits(logits)
+    assert ent.shape == (2, 3)
+    assert ent.flatten().tolist() == approx([math.log(V)] * 6)
+
+
+def test_entropy_peaked_distributions_by_hand():
+    # [log 3, 0] -> p = (0.75, 0.25)
+    two = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    # [10, 0, 0, 0] -> p0 = e^10 / (e^10 + 3), others 1 / (e^10 + 3)
+    z = math.exp(10.0) + 3.0
+    p0, p1 = math.exp(10.0) / z, 1.0 / z
+    peaked = -(p0 * math.log(p0) + 3 * p1 * math.log(p1))
+    assert entropy_from_logits(torch.tensor([math.log(3.0), 0.0], dtype=torch.float64)).item() == approx(two)
+    assert entropy_from_logits(torch.tensor([10.0, 0.0, 0.0, 0.0], dtype=torch.float64)).item() == approx(peaked)
+    # fully one-hot in float32 (huge logit): entropy 0, finite
+    assert entropy_from_logits(torch.tensor([1000.0, 0.0, 0.0, 0.0])).item() == approx(0.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# group_advantages / grpo_advantages
+# ---------------------------------------------------------------------------------------------------
+
+
+def _ga(scores, group, norm):
+    return group_advantages(torch.tensor(scores, dtype=torch.float32), torch.tensor(group), norm).tolist()
+
+
+def test_group_advantages_mixed_group_by_hand():
+    # rewards [1, 0, 0, 0]: mean 0.25, deviations [0.75, -0.25, -0.25, -0.25],
+    # squared sum 0.5625 + 3 * 0.0625 = 0.75, unbiased var 0.75 / 3 = 0.25 -> std 0.5 (biased would be 0.433)
+    assert _ga([1.0, 0.0, 0.0, 0.0], [0, 0, 0, 0], False) == approx([0.75, -0.25, -0.25, -0.25])
+    s = 0.5 + EPS
+    assert _ga([1.0, 0.0, 0.0, 0.0], [0, 0, 0, 0], True) == approx([0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s])
+    # rewards [2, 0.5, -1]: mean 0.5, deviations [1.5, 0, -1.5], var 4.5 / 2 = 2.25 -> std 1.5
+    assert _ga([2.0, 0.5, -1.0], [0, 0, 0], False) == approx([1.5, 0.0, -1.5])
+    assert _ga([2.0, 0.5, -1.0], [0, 0, 0], True) == approx([1.5 / (1.5 + EPS), 0.0, -1.5 / (1.5 + EPS)])
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("value, n", [(1.0, 4), (0.0, 3), (0.5, 8), (-2.0, 2)])
+def test_group_advantages_equal_rewards_give_exactly_zero(value, n, norm):
+    assert _ga([value] * n, [0] * n, norm) == [0.0] * n
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("value, n", [(0.9, 3), (0.7, 8)])
+def test_group_advantages_equal_non_dyadic_rewards_give_exactly_zero(value, n, norm):
+    # the docstring promises 0 for any all-equal group, e.g. a partial-credit reward of 0.9 given to all n
+    assert _ga([value] * n, [0] * n, norm) == [0.0] * n
+
+
+def test_group_advantages_singleton_group_keeps_raw_reward():
+    # group 1 has one response (0.7): mean 0, std 1 -> 0.7 raw, 0.7 / (1 + eps) normalised;
+    # group 0 ([1, 0]: mean 0.5, std sqrt(0.5)) sits beside it so the two cases must be told apart per group.
+    scores, group = [1.0, 0.7, 0.0], [0, 1, 0]
+    raw = _ga(scores, group, False)
+    assert raw == approx([0.5, 0.7, -0.5])
+    assert raw[1] == torch.tensor(0.7).item()  # exactly the float32 reward
+    sd = math.sqrt(0.5)
+    assert _ga(scores, group, True) == approx([0.5 / (sd + EPS), 0.7 / (1 + EPS), -0.5 / (sd + EPS)])
+
+
+def test_group_advantages_interleaved_groups():
+    # batch order: group ids 2, 0, 1, 0, 2, 0, 1, 0, 1
+    #   group 0 at rows 1, 3, 5, 7: [1, 0, 0, 0] -> dev [0.75, -0.25, -0.25, -0.25], std 0.5
+    #   group 1 at rows 2, 6, 8:    [2, 0.5, -1] -> dev [1.5, 0, -1.5], std 1.5
+    #   group 2 at rows 0, 4:       [3, 3]       -> 0
+    scores = [3.0, 1.0, 2.0, 0.0, 3.0, 0.0, 0.5, 0.0, -1.0]
+    group = [2, 0, 1, 0, 2, 0, 1, 0, 1]
+    assert _ga(scores, group, False) == approx([0.0, 0.75, 1.5, -0.25, 0.0, -0.25, 0.0, -0.25, -1.5])
+    a, b = 0.5 + EPS, 1.5 + EPS
+    assert _ga(scores, group, True) == approx(
+        [0.0, 0.75 / a, 1.5 / b, -0.25 / a, 0.0, -0.25 / a, 0.0, -0.25 / a, -1.5 / b])
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_advantages_broadcast_and_zero_padding(norm):
+    # two groups of two: [1, 0] (mean 0.5, std sqrt(0.5)) and [0.5, 2.5] (mean 1.5, std sqrt(2))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0],
+                         [1.0, 0.0, 0.0, 0.0],
+                         [1.0, 1.0, 1.0, 1.0],
+                         [1.0, 1.0, 0.0, 0.0]])
+    batch = TensorDict(scores=torch.tensor([1.0, 0.0, 0.5, 2.5]), group=torch.tensor([0, 0, 1, 1]),
+                       response_mask=mask, batch_size=[4])
+    adv = grpo_advantages(batch, Config(norm_adv_by_std=norm))
+    assert adv.shape == (4, 4)
+    s0, s1 = (math.sqrt(0.5) + EPS, math.sqrt(2.0) + EPS) if norm else (1.0, 1.0)
+    a = [0.5 / s0, -0.5 / s0, -1.0 / s1, 1.0 / s1]
+    expected = [[a[0], a[0], a[0], 0.0],
+                [a[1], 0.0, 0.0, 0.0],
+                [a[2], a[2], a[2], a[2]],
+                [a[3], a[3], 0.0, 0.0]]
+    for got_row, exp_row in zip(adv.tolist(), expected):
+        assert got_row == approx(exp_row)
+    assert (adv[mask == 0] == 0).all()
+
+
+def test_grpo_advantages_default_config_normalises_by_std():
+    batch = TensorDict(scores=torch.tensor([1.0, 0.0]), group=torch.tensor([0, 0]),
+                       response_mask=torch.ones(2, 2), batch_size=[2])
+    s = math.sqrt(0.5) + EPS
+    assert grpo_advantages(batch, Config()).flatten().tolist() == approx([0.5 / s, 0.5 / s, -0.5 / s, -0.5 / s])
