@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data import RLDataset, load_reward_fn
 from rollout import make_rollout
 
+LOSS_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")  # summed over micro-batches
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3", "low_var_kl", "mse"]
 
@@ -231,7 +232,7 @@ class ActorWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         torch.manual_seed(cfg.seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
-        self.model.train()  # no dropout in these models; train mode keeps the packed-sequence paths honest
+        self.model.train()
         self.ref = None
         if cfg.use_kl_loss:  # the frozen reference: the initial policy
             self.ref = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
@@ -260,43 +261,46 @@ class ActorWorker:
 
     def update(self, batch: TensorDict) -> dict:
         """PPO epochs over mini-batches; each mini-batch is one optimizer step over its micro-batches."""
-        cfg, metrics = self.cfg, {}
-        mini = cfg.ppo_mini_batch_size * cfg.n
+        cfg, per_step = self.cfg, []
         for _ in range(cfg.ppo_epochs):
-            for mb in batch.split(mini):
-                n_tokens, n_seqs = mb["response_mask"].sum(), mb.batch_size[0]
+            for mb in batch.split(cfg.ppo_mini_batch_size * cfg.n):
+                # Every micro-batch divides by the mini-batch's counts, so the summed gradients are the
+                # mini-batch's gradient; loss metrics add up the same way, ratios are weighted by share.
+                counts = dict(n_tokens=mb["response_mask"].sum(), n_seqs=mb.batch_size[0],
+                              norm_len=cfg.max_response_length)
+                step = {}
                 for micro in mb.split(cfg.ppo_micro_batch_size):
-                    logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True)
-                    mask = micro["response_mask"]
-                    agg = dict(agg_mode=cfg.loss_agg_mode, n_tokens=n_tokens, n_seqs=n_seqs,
-                               norm_len=cfg.max_response_length)
-                    pg_loss, pg_metrics = policy_loss(logp, micro["old_log_probs"], micro["advantages"], mask,
-                                                      cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, **agg)
-                    ent = agg_loss(entropy, mask, **{"mode": agg.pop("agg_mode"), **agg})
-                    loss = pg_loss - cfg.entropy_coeff * ent
-                    step_metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item(), **pg_metrics}
-                    if cfg.use_kl_loss:
-                        kl = agg_loss(kl_penalty(logp, micro["ref_log_probs"], cfg.kl_loss_type), mask,
-                                      cfg.loss_agg_mode, n_tokens, n_seqs, cfg.max_response_length)
-                        loss = loss + cfg.kl_loss_coef * kl
-                        step_metrics["actor/kl_loss"] = kl.item()
+                    loss, metrics = self.micro_batch_loss(micro, counts)
                     loss.backward()
-                    # Losses are mini-batch sums over micro-batches; ratios are averaged over micro-batches.
-                    for k, v in step_metrics.items():
-                        metrics.setdefault(k, []).append(v * micro.batch_size[0] / n_seqs)
+                    share = micro.batch_size[0] / counts["n_seqs"]
+                    for k, v in metrics.items():
+                        step[k] = step.get(k, 0.0) + (v if k in LOSS_METRICS else v * share)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                if torch.isfinite(grad_norm):
+                if torch.isfinite(grad_norm):  # a NaN/inf gradient would poison the weights: skip the step
                     self.opt.step()
-                else:  # a NaN/inf gradient would poison the weights: skip this step
-                    metrics.setdefault("actor/skipped_steps", []).append(1.0)
                 self.opt.zero_grad(set_to_none=True)
-                metrics.setdefault("actor/grad_norm", []).append(grad_norm.item())
-        n_mini = cfg.ppo_epochs * (batch.batch_size[0] // mini)
-        out = {k: sum(v) / n_mini for k, v in metrics.items() if k not in ("actor/grad_norm", "actor/skipped_steps")}
-        out["actor/grad_norm"] = sum(metrics["actor/grad_norm"]) / len(metrics["actor/grad_norm"])
-        out["actor/skipped_steps"] = sum(metrics.get("actor/skipped_steps", [0.0]))
+                step["actor/grad_norm"] = grad_norm.item()
+                step["actor/skipped_steps"] = float(not torch.isfinite(grad_norm))
+                per_step.append(step)
+        out = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
+        out["actor/skipped_steps"] *= len(per_step)  # a count, not a mean
         out["actor/lr"] = self.opt.param_groups[0]["lr"]
         return out
+
+    def micro_batch_loss(self, micro: TensorDict, counts: dict) -> tuple[torch.Tensor, dict]:
+        """Policy loss - entropy bonus (+ KL loss) of one micro-batch, scaled by its mini-batch's counts."""
+        cfg, mask = self.cfg, micro["response_mask"]
+        logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True)  # [b, R] each
+        pg_loss, metrics = policy_loss(logp, micro["old_log_probs"], micro["advantages"], mask, cfg.clip_ratio_low,
+                                       cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, **counts)
+        ent = agg_loss(entropy, mask, cfg.loss_agg_mode, **counts)
+        loss = pg_loss - cfg.entropy_coeff * ent
+        metrics.update({"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item()})
+        if cfg.use_kl_loss:
+            kl = agg_loss(kl_penalty(logp, micro["ref_log_probs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **counts)
+            loss = loss + cfg.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.item()
+        return loss, metrics
 
     def sync_weights(self):
         """Hand the updated weights to the rollout engine (the hybrid engine streams them; see rollout.py)."""

@@ -85,6 +85,8 @@ class SFTConfig:
     """Built-in task: max digits per operand (see data/arith.py)."""
     arith_ops: str = "+-"
     """Built-in task: operators (see data/arith.py)."""
+    arith_operands: int = 2
+    """Built-in task: numbers per expression (see data/arith.py)."""
 
     def __post_init__(self):
         if not 0.0 <= self.stop_accuracy <= 1.0:
@@ -261,7 +263,8 @@ def builtin_files(cfg: SFTConfig, root: str) -> tuple[str, str]:
     """The built-in arithmetic task's train/val parquet, generated once under root."""
     from data.arith import ArithConfig, write_parquet
 
-    return write_parquet(ArithConfig(out_dir=os.path.join(root, "arith"), digits=cfg.arith_digits, ops=cfg.arith_ops))
+    return write_parquet(ArithConfig(out_dir=os.path.join(root, "arith"), digits=cfg.arith_digits, ops=cfg.arith_ops,
+                                     operands=cfg.arith_operands))
 
 
 def run(cfg: SFTConfig) -> str:

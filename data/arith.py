@@ -34,6 +34,8 @@ class ArithConfig:
     """Operators to draw from: characters among + - *."""
     digits: int = 2
     """Max digits per operand: operands are uniform in [0, 10**digits - 1]."""
+    operands: int = 2
+    """Numbers per expression (2: "12+34"; 3: "1+2*3", with the usual precedence of *)."""
     seed: int = 0
     """Base seed; train and val draw from different seeds derived from it."""
 
@@ -42,6 +44,8 @@ class ArithConfig:
             raise ValueError(f"ops={self.ops!r}: use one or more characters among {''.join(_OPS)!r}")
         if self.digits < 1:
             raise ValueError(f"digits={self.digits}: must be >= 1")
+        if self.operands < 2:
+            raise ValueError(f"operands={self.operands}: must be >= 2")
         if self.n_train < 1 or self.n_val < 1:
             raise ValueError(f"n_train={self.n_train}, n_val={self.n_val}: both must be >= 1")
         # train skips every val expression, so at least one expression must be left for it
@@ -51,7 +55,7 @@ class ArithConfig:
 
 def num_expressions(cfg: ArithConfig) -> int:
     """How many distinct expressions the config can draw."""
-    return (10**cfg.digits) ** 2 * len(set(cfg.ops))
+    return (10**cfg.digits) ** cfg.operands * len(set(cfg.ops)) ** (cfg.operands - 1)
 
 
 def make_problems(cfg: ArithConfig, n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[dict]:
@@ -60,12 +64,27 @@ def make_problems(cfg: ArithConfig, n: int, seed: int, exclude: frozenset[str] =
     ops = sorted(set(cfg.ops))
     problems = []
     while len(problems) < n:
-        a, b = rng.randrange(10**cfg.digits), rng.randrange(10**cfg.digits)
-        op = rng.choice(ops)
-        expression = f"{a}{op}{b}"
+        numbers = [rng.randrange(10**cfg.digits) for _ in range(cfg.operands)]
+        signs = [rng.choice(ops) for _ in range(cfg.operands - 1)]
+        expression = "".join(f"{op}{x}" for op, x in zip([""] + signs, numbers))
         if expression not in exclude:
-            problems.append({"expression": expression, "answer": str(_OPS[op](a, b))})
+            problems.append({"expression": expression, "answer": str(evaluate(numbers, signs))})
     return problems
+
+
+def evaluate(numbers: list[int], signs: list[str]) -> int:
+    """The value of numbers[0] signs[0] numbers[1] ...: products first, then + and - left to right."""
+    terms, term_signs = [numbers[0]], []
+    for op, x in zip(signs, numbers[1:]):
+        if op == "*":
+            terms[-1] *= x
+        else:
+            terms.append(x)
+            term_signs.append(op)
+    value = terms[0]
+    for op, x in zip(term_signs, terms[1:]):
+        value = _OPS[op](value, x)
+    return value
 
 
 def to_row(problem: dict, split: str, index: int) -> dict:

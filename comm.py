@@ -1,0 +1,128 @@
+"""Process groups for torchrun SPMD runs: the torchrun env, a DeviceMesh, metric reduction, object broadcast.
+
+    torchrun --nproc_per_node=2 your_script.py      # gloo on CPU, NCCL on GPU, one process per device
+    python your_script.py                           # one process, no process group: every helper is the identity
+    OMP_NUM_THREADS=1 python -m pytest tests/test_sharding.py -q     # the tests (they launch torchrun)
+
+API (the whole of it):
+    dist = init_distributed(timeout_s=1800, tp_size=1)    # -> Dist(rank, world_size, local_rank, device, mesh, is_main)
+    dist.dp_rank, dist.dp_size                            # this rank's data shard: split batches by these
+    reduce_metrics({"actor/pg_loss": x, "response_length/max": m, "tokens": n}, dist, sum_keys=("tokens",))
+        # mean by default; max for keys ending in /max or holding max_memory; min for /min; sum for sum_keys
+    obj = broadcast_object(obj, dist, src=0)               # every rank gets src's python object
+    barrier(dist)
+    shutdown(dist)                                        # barrier, then destroy the process group (if still there)
+
+The mesh has a "dp" dimension, and a "tp" one when tp_size > 1 (dp = world_size / tp_size); sharding.py
+shards parameters over mesh["dp"]. Metrics are reduced over the dp ranks: tp ranks hold the same data.
+"""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as tdist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class Dist:
+    """Where this process sits in the run; mesh is None in a single process (no process group)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh | None
+    is_main: bool
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size() if self.mesh is not None else 1
+
+
+def set_gpu_env_defaults() -> None:
+    """NCCL/CUDA settings from verl's performance tuning guide, each only where the user set nothing.
+
+    CUDA_DEVICE_MAX_CONNECTIONS=1   one hardware queue, so communication kernels launch in issue order
+    TORCH_NCCL_HIGH_PRIORITY=1      NCCL streams at high priority, so collectives are not starved by compute
+    (NCCL_PROTO is left to the user: the best value depends on the interconnect.)
+    Must run before the CUDA context exists, hence from init_distributed before set_device.
+    """
+    for key, value in {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_HIGH_PRIORITY": "1"}.items():
+        os.environ.setdefault(key, value)
+
+
+def init_distributed(timeout_s: int = 1800, tp_size: int = 1) -> Dist:
+    """Join the torchrun job described by the env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run alone."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:  # plain `python script.py`
+        return Dist(0, 1, 0, torch.device("cuda", 0) if cuda else torch.device("cpu"), None, True)
+    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if world % tp_size:
+        raise ValueError(f"tp_size={tp_size} must divide the world size {world}")
+    if cuda:
+        set_gpu_env_defaults()
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    # device_id binds NCCL to this rank's GPU (eager init, and barriers know their device)
+    tdist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                             device_id=device if cuda else None)
+    shape, names = ((world // tp_size, tp_size), ("dp", "tp")) if tp_size > 1 else ((world,), ("dp",))
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    return Dist(rank, world, local_rank, device, mesh, rank == 0)
+
+
+def _reduce_op(key: str, sum_keys) -> str:
+    if key in sum_keys:
+        return "sum"
+    if key.endswith("/max") or "max_memory" in key:
+        return "max"
+    if key.endswith("/min"):
+        return "min"
+    return "mean"
+
+
+def reduce_metrics(metrics: dict[str, float], dist: Dist, sum_keys: tuple[str, ...] = ()) -> dict[str, float]:
+    """The same dict on every dp rank, each value reduced by its key's op. Every rank must pass the same keys."""
+    if dist.mesh is None:
+        return dict(metrics)
+    keys = sorted(metrics)  # same order on every rank
+    # one all_gather of a packed vector instead of one collective per key; float64 keeps token counts exact
+    local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=dist.device)  # [K]
+    gathered = torch.empty(dist.dp_size * len(keys), dtype=torch.float64, device=dist.device)  # [dp * K]
+    tdist.all_gather_single(gathered, local, group=dist.mesh["dp"].get_group())
+    gathered = gathered.view(dist.dp_size, len(keys)).cpu()  # [dp, K]
+    reduce = {"sum": torch.sum, "max": torch.amax, "min": torch.amin, "mean": torch.mean}
+    return {k: reduce[_reduce_op(k, sum_keys)](gathered[:, i]).item() for i, k in enumerate(keys)}
+
+
+def broadcast_object(obj, dist: Dist, src: int = 0):
+    """src's picklable `obj` on every rank (e.g. a resume path decided by rank 0)."""
+    if dist.mesh is None:
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier(dist: Dist) -> None:
+    if dist.mesh is not None and tdist.is_initialized():
+        tdist.barrier()
+
+
+def shutdown(dist: Dist) -> None:
+    """Barrier then destroy the group: without the barrier a rank occasionally aborts at exit (CPU-NOTES).
+
+    Guarded by is_initialized(): an in-process vLLM engine's shutdown may have destroyed the default group already.
+    """
+    if dist.mesh is not None and tdist.is_initialized():
+        tdist.barrier()
+        tdist.destroy_process_group()

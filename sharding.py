@@ -1,0 +1,283 @@
+"""FSDP2 sharding of an HF causal LM, full-weight streaming, DCP checkpoints and HF export.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_sharding.py -q     # 2-rank torchrun tests against one process
+    python bench/fsdp.py --hidden-size 256 --num-layers 4            # memory/step time, 1 rank vs 2 ranks
+
+API (every function is called by every rank, in the same order; with no process group, plain single-process code):
+    dist = comm.init_distributed()
+    model = load_sharded_model(path, dist, FSDPConfig(param_dtype="bfloat16"))     # actor: fp32 masters, bf16 compute
+    ref = load_sharded_model(path, dist, FSDPConfig(), trainable=False)             # frozen reference (eval mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)   # after sharding: it holds the local shards
+    loss.backward(); norm = clip_grad_norm(model, 1.0)            # skip optimizer.step() when norm is not finite
+    for bucket in full_weights(model, bucket_bytes=1 << 28):      # [(hf_name, full tensor)], one bucket alive at a time
+        engine.load(bucket)
+    save_checkpoint(ckpt_dir, step, model, optimizer, {"step": step, "rng": torch.get_rng_state()}, dist)
+    path = find_latest(ckpt_dir)                                   # None when the run has no checkpoint yet
+    extra = load_checkpoint(ckpt_dir, model, optimizer, dist)      # any world size: DCP reshards on load
+    export_hf(model, tokenizer, out_dir, dist)                     # a plain HF folder (from_pretrained, vLLM)
+
+Sharding: each decoder layer (the model's _no_split_modules classes) is one FSDP2 group, the root (embeddings,
+final norm, lm_head) another; parameters are sharded over the mesh's "dp" dimension. Rank 0 reads the HF weights,
+the other ranks build the model on the meta device and receive their shards from rank 0, so only one full copy
+is ever read from disk. With a single process (no process group) the model is returned unsharded and the
+MixedPrecisionPolicy does not apply (it computes in the load dtype).
+
+Checkpoint layout (a shared filesystem, as on one node): ckpt_dir/step_{N}/ holds DCP's .metadata and shards
+of {"model", "optim"} keyed by parameter name, so any world size can read it, plus extra_rank{r}.pt (each
+rank's `extra`: per-rank RNG states survive a same-size resume; a rank with no file of its own reads rank 0's).
+ckpt_dir/latest names the newest complete step folder.
+"""
+
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from comm import Dist, barrier
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# module-name prefixes that wrappers add to parameter names (torch.compile, activation checkpointing, FSDP1)
+WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+@dataclass
+class FSDPConfig:
+    param_dtype: str = "float32"
+    """dtype that forward/backward compute in (MixedPrecisionPolicy casts the gathered parameters); masters keep
+    the load dtype."""
+    reduce_dtype: str = "float32"
+    """dtype of the gradient reduce-scatter; fp32 with bf16 params keeps gradient sums accurate."""
+    reshard_after_forward: bool = True
+    """Free each layer's gathered parameters after forward and gather again in backward (ZeRO-3); False keeps
+    them (ZeRO-2: more memory, one all-gather fewer)."""
+    forward_prefetch: bool = False
+    """All-gather layer i+1 while layer i computes (explicit prefetch); one more gathered layer in memory."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy)."""
+
+    def __post_init__(self):
+        for field in ("param_dtype", "reduce_dtype"):
+            if getattr(self, field) not in DTYPES:
+                raise ValueError(f"{field}={getattr(self, field)!r}: choose one of {sorted(DTYPES)}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading and sharding
+# ---------------------------------------------------------------------------------------------------
+
+
+def _set_trainable(model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
+    model.requires_grad_(trainable)
+    return model.train(trainable)
+
+
+def _shard(model: torch.nn.Module, dist: Dist, cfg: FSDPConfig) -> None:
+    """fully_shard every decoder layer, then the root (which takes the remaining parameters)."""
+    layer_classes = set(model._no_split_modules or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: no module of a _no_split_modules class {layer_classes}")
+    kwargs = dict(
+        mesh=dist.mesh["dp"], reshard_after_forward=cfg.reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]),
+        # pinned memory needs an accelerator
+        offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy(),
+    )
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    if cfg.forward_prefetch:
+        for layer, next_layer in zip(layers, layers[1:]):
+            layer.set_modules_to_forward_prefetch([next_layer])
+
+
+def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = None, dtype: torch.dtype = torch.float32,
+                       trainable: bool = True) -> torch.nn.Module:
+    """The HF causal LM at model_path, FSDP2-sharded over dist.mesh["dp"] (plain on dist.device without a group).
+
+    dtype is the master weights' dtype (keep fp32 for training; FSDPConfig.param_dtype sets the compute dtype).
+    trainable=False gives a frozen reference: no gradients, eval mode.
+    """
+    cfg = cfg or FSDPConfig()
+    if dist.mesh is None:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(dist.device)
+        return _set_trainable(model, trainable)
+    if dist.rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        full_state = model.state_dict()  # keeps the full tensors alive past fully_shard, which swaps in shards
+    else:
+        with torch.device("meta"):  # no memory, no init: the weights come from rank 0
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+        full_state = {}
+    _shard(model, dist, cfg)
+    if dist.rank != 0:
+        model.to_empty(device=dist.device)
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full_state
+    # Non-persistent buffers (rotary inv_freq) are in no state dict: meta ranks hold uninitialised memory.
+    # Rank 0 computed them in the model's own __init__, so copying its values works for any architecture.
+    for buffer in model.buffers():
+        tdist.broadcast(buffer, src=0)
+    if cfg.cpu_offload and dist.device.type == "cuda":
+        model.to("cpu")  # sharded parameters to host memory, as CPUOffloadPolicy expects ...
+        for buffer in model.buffers():
+            buffer.data = buffer.data.to(dist.device)  # ... while buffers, which FSDP does not manage, stay on GPU
+    return _set_trainable(model, trainable)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Scale gradients to a global L2 norm of at most max_norm; the norm before clipping, as a float.
+
+    clip_grad_norm_ reduces the per-shard norms of FSDP2's DTensor gradients across ranks itself; the total
+    comes back as a replicated DTensor.
+    """
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm.item()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Full weights, bucket by bucket (the hybrid engine's weight sync)
+# ---------------------------------------------------------------------------------------------------
+
+
+def hf_name(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tensor.device.type != tensor.device_mesh.device_type:  # CPU-offloaded shard: gather on the mesh's device
+        tensor = tensor.to(tensor.device_mesh.device_type)
+    return tensor.full_tensor()
+
+
+def full_weights(model: torch.nn.Module, bucket_bytes: int):
+    """Yield lists of (HF name, full tensor) holding at most bucket_bytes (a larger tensor comes alone).
+
+    Collective: every rank iterates, every rank gets the full tensors. Each bucket is gathered when it is
+    yielded and this generator keeps no reference to it, so once the caller drops a bucket no second full copy
+    of the model exists. Tied weights come once (lm_head.weight is embed_tokens.weight in a tied model), and
+    tensors keep the master dtype (cast for the engine if it wants bf16).
+    """
+    seen, bucket, size = set(), [], 0
+    for name, tensor in model.state_dict(keep_vars=True).items():  # parameters + persistent buffers, in order
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        nbytes = tensor.numel() * tensor.element_size()  # the full size: DTensor.numel() is global
+        if bucket and size + nbytes > bucket_bytes:
+            yield [(hf_name(n), _full(t)) for n, t in bucket]
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield [(hf_name(n), _full(t)) for n, t in bucket]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints (DCP: sharded, resharding on load) and HF export
+# ---------------------------------------------------------------------------------------------------
+
+
+def _write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)  # atomic on POSIX: readers see the old or the new pointer, never half
+
+
+def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, extra: dict, dist: Dist) -> str:
+    """Write ckpt_dir/step_{step}/ and point ckpt_dir/latest at it; returns the folder.
+
+    Written to step_{step}.tmp, renamed when every rank is done, and only then is `latest` replaced, so a
+    crash at any point leaves `latest` on the previous complete checkpoint.
+    """
+    final = os.path.join(ckpt_dir, f"step_{step}")
+    tmp = final + ".tmp"
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
+        os.makedirs(tmp)
+    barrier(dist)
+    model_state, optim_state = get_state_dict(model, optimizer)  # keyed by parameter name, DTensor shards
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    torch.save(extra, os.path.join(tmp, f"extra_rank{dist.rank}.pt"))
+    barrier(dist)
+    if dist.is_main:
+        shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run) replaces it
+        os.replace(tmp, final)
+        _write_atomic(os.path.join(ckpt_dir, "latest"), os.path.basename(final))
+    barrier(dist)
+    return final
+
+
+def find_latest(ckpt_dir: str) -> str | None:
+    """The folder that ckpt_dir/latest names, or None when there is no `latest` (a fresh run).
+
+    Only `latest` counts: a step_*.tmp folder left by a crashed save is never picked.
+    """
+    pointer = os.path.join(ckpt_dir, "latest")
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        return os.path.join(ckpt_dir, f.read().strip())
+
+
+def _resolve(path_or_dir: str) -> str:
+    path = find_latest(path_or_dir) or path_or_dir
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise RuntimeError(f"checkpoint {path} is incomplete or corrupt: it has no .metadata")
+    return path
+
+
+def load_checkpoint(path_or_dir: str, model, optimizer, dist: Dist) -> dict:
+    """Load a step folder (or the one a run's ckpt_dir/latest names) into model and optimizer (None: model only).
+
+    Works whatever world size saved it: DCP reads each rank's slice of every named tensor. Returns `extra`.
+    """
+    path = _resolve(path_or_dir)
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        # get_state_dict creates AdamW's state (a zero-lr step) when none exists yet, so there is a target to load into
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:  # DCP gathers every rank's read errors, so all ranks raise together
+        raise RuntimeError(f"cannot read checkpoint {path}: {e}") from e
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    own = os.path.join(path, f"extra_rank{dist.rank}.pt")
+    # our own file; weights_only=False because extra may hold numpy RNG states
+    return torch.load(own if os.path.isfile(own) else os.path.join(path, "extra_rank0.pt"), weights_only=False)
+
+
+def export_hf(model, tokenizer, out_dir: str, dist: Dist) -> None:
+    """Gather the full weights to rank 0's CPU memory and save_pretrained them (and the tokenizer) to out_dir."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.is_main:
+        tmp = out_dir.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    barrier(dist)
