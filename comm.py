@@ -93,7 +93,7 @@ def _reduce_op(key: str, sum_keys) -> str:
 def reduce_metrics(metrics: dict[str, float], dist: Dist, sum_keys: tuple[str, ...] = ()) -> dict[str, float]:
     """The same dict on every dp rank, each value reduced by its key's op. Every rank must pass the same keys."""
     if dist.mesh is None:
-        return dict(metrics)
+        return {k: float(v) for k, v in metrics.items()}
     keys = sorted(metrics)  # same order on every rank
     # one all_gather of a packed vector instead of one collective per key; float64 keeps token counts exact
     local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=dist.device)  # [K]

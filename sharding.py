@@ -258,7 +258,8 @@ def load_checkpoint(path_or_dir: str, model, optimizer, dist: Dist) -> dict:
         state = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # DCP gathers every rank's read errors, so all ranks raise together
+    except (Exception, dcp.CheckpointException) as e:  # DCP's own error is a BaseException; it collects every
+        # rank's read errors, so all ranks raise together
         raise RuntimeError(f"cannot read checkpoint {path}: {e}") from e
     if optimizer is None:
         set_model_state_dict(model, state["model"])

@@ -8,6 +8,7 @@ MODEL_DIR holds the tiny Qwen2 and its tokenizer, CKPT_FROM_1_RANK a checkpoint 
 2 steps; each rank writes its results to OUT_DIR/rank{r}.pt, and rank 0 a 2-rank checkpoint to OUT_DIR/ckpt.
 """
 
+import copy
 import os
 import sys
 
@@ -37,7 +38,7 @@ def make_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_optimizer(model) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
 
 
 def train_step(model, optimizer, batch, dist) -> tuple[float, float]:
@@ -59,9 +60,9 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def full_optim(model, optimizer) -> dict:
-    """The optimizer state with full tensors, keyed by parameter name (filled on rank 0 only)."""
-    return get_optimizer_state_dict(model, optimizer,
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """A copy of the optimizer state with full tensors, keyed by parameter name (filled on rank 0 only)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return copy.deepcopy(get_optimizer_state_dict(model, optimizer, options=options))  # plain: live references
 
 
 def main(model_dir: str, ckpt_from_1: str, out_dir: str):
@@ -96,6 +97,12 @@ def main(model_dir: str, ckpt_from_1: str, out_dir: str):
         res[f"{name}_params"] = full_params(model)
 
     export_hf(model, tokenizer, os.path.join(out_dir, "hf"), dist)
+
+    # bf16 compute with fp32 reduce, offloaded shards: masters stay fp32
+    model = load_sharded_model(model_dir, dist, FSDPConfig(param_dtype="bfloat16", cpu_offload=True))
+    res["bf16_loss"] = train_step(model, make_optimizer(model), batch, dist)[0]
+    res["bf16_master_dtypes"] = {p.dtype for p in model.parameters()}
+
     res["metrics"] = reduce_metrics({"a": dist.rank + 1.0, "x/max": dist.rank, "x/min": dist.rank,
                                      "perf/max_memory_allocated_gb": 10.0 * dist.rank, "tokens": 5 + dist.rank},
                                     dist, sum_keys=("tokens",))
