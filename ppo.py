@@ -91,16 +91,16 @@ class Config:
     """Max global grad norm; a non-finite norm skips the optimizer step."""
     train_batch_size: int = 32
     """Prompts per RL step (each sampled n times)."""
-    ppo_mini_batch_size: int = 32
+    ppo_mini_batch_size: int = 8
     """Prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per epoch."""
     ppo_micro_batch_size: int = 64
     """Sequences per forward/backward pass (gradient accumulation); also the log-prob pass size."""
     ppo_epochs: int = 1
     """Passes over each RL batch."""
-    total_steps: int = 60
+    total_steps: int = 450
     """RL steps."""
     # ---- run ----
-    eval_every: int = 10
+    eval_every: int = 25
     """Steps between greedy evaluations (also before the first step and at the end)."""
     out_dir: str = "out/grpo"
     """Where metrics.jsonl, curves.png and final/ go."""

@@ -53,17 +53,17 @@ class SFTConfig:
     """Column holding the target response; a dotted path reads into a dict column."""
     out_dir: str = "~/.cache/nanoverl/warmstart"
     """Where the trained model goes; for the built-in policy a subfolder named by the config's hash."""
-    hidden_size: int = 256
+    hidden_size: int = 128
     """Built-in policy: model width."""
     num_layers: int = 4
     """Built-in policy: decoder layers."""
-    num_heads: int = 8
+    num_heads: int = 4
     """Built-in policy: attention heads (head size hidden_size / num_heads)."""
-    num_kv_heads: int = 4
+    num_kv_heads: int = 2
     """Built-in policy: key/value heads (grouped-query attention, as Qwen2)."""
-    intermediate_size: int = 768
+    intermediate_size: int = 512
     """Built-in policy: MLP width."""
-    lr: float = 1e-3
+    lr: float = 3e-3
     """AdamW learning rate (constant after a short linear warm-up)."""
     warmup_steps: int = 20
     """Linear learning-rate warm-up steps."""
@@ -73,7 +73,7 @@ class SFTConfig:
     """Upper bound on optimizer steps."""
     max_length: int = 64
     """Prompt + response tokens per sequence; longer rows raise an error naming the row."""
-    eval_every: int = 10
+    eval_every: int = 20
     """Steps between held-out greedy evaluations."""
     eval_size: int = 200
     """Held-out problems per evaluation."""
@@ -83,7 +83,7 @@ class SFTConfig:
     """Seed for the model initialisation and data order."""
     arith_digits: int = 2
     """Built-in task: max digits per operand (see data/arith.py)."""
-    arith_ops: str = "+-"
+    arith_ops: str = "+"
     """Built-in task: operators (see data/arith.py)."""
     arith_operands: int = 2
     """Built-in task: numbers per expression (see data/arith.py)."""
