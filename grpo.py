@@ -1,7 +1,7 @@
 """GRPO: group-relative advantages on top of ppo.py's loop, with no critic.
 
     python grpo.py                                   # built-in tiny policy + arithmetic task, CPU
-    python grpo.py --n 8 --lr 2e-4 --total-steps 60  # any field of ppo.Config
+    python grpo.py --rollout-n 8 --lr 2e-4 --total-steps 60  # any field of ppo.Config
     python grpo.py --no-norm-adv-by-std --loss-agg-mode seq-mean-token-sum-norm   # Dr.GRPO
     python grpo.py --model-path PATH --train-files train.parquet --val-files val.parquet
 

@@ -12,21 +12,24 @@ Advantage estimators are passed in (grpo.py); this file holds no GRPO specifics.
 """
 
 import json
+import math
 import os
-import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from comm import Dist, barrier, init_distributed, reduce_metrics, shutdown
 from data import RLDataset, load_reward_fn
 from rollout import make_rollout
+from sharding import FSDPConfig, clip_grad_norm, export_hf, find_latest, full_weights, load_checkpoint, \
+    load_sharded_model, save_checkpoint
 
 LOSS_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")  # summed over micro-batches
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -57,7 +60,7 @@ class Config:
     # ---- rollout ----
     rollout_backend: Literal["vllm", "hf"] = "vllm"
     """In-process vLLM engine, or HF generate on the trainer's model (same interface)."""
-    n: int = 8
+    rollout_n: int = 8
     """Responses sampled per prompt (the group of GRPO)."""
     temperature: float = 1.0
     """Sampling temperature; the trainer divides logits by it too, so log-probs agree."""
@@ -99,6 +102,8 @@ class Config:
     """Passes over each RL batch."""
     total_steps: int = 450
     """RL steps."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2 sharding of actor and reference over the data-parallel ranks (torchrun); unused in one process."""
     # ---- run ----
     eval_every: int = 25
     """Steps between greedy evaluations (also before the first step and at the end)."""
@@ -106,6 +111,10 @@ class Config:
     """Where metrics.jsonl, curves.png and final/ go."""
     seed: int = 0
     """Seed of data order, sampling (per step and prompt) and initialisation."""
+    ckpt_every: int = 0
+    """Steps between DCP checkpoints in out_dir/checkpoints (0: none); they resume at any world size."""
+    resume: str = "auto"
+    """auto: continue from out_dir/checkpoints' latest if there is one; off: start over; or a checkpoint path."""
 
     def __post_init__(self):
         if self.train_batch_size % self.ppo_mini_batch_size:
@@ -113,8 +122,8 @@ class Config:
                              f"ppo_mini_batch_size={self.ppo_mini_batch_size}")
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
-        if self.n < 1 or self.temperature <= 0:
-            raise ValueError("n must be >= 1 and temperature > 0")
+        if self.rollout_n < 1 or self.temperature <= 0:
+            raise ValueError("rollout_n must be >= 1 and temperature > 0")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -227,16 +236,12 @@ def response_log_probs(model, batch: TensorDict, temperature: float, with_entrop
 class ActorWorker:
     """The colocated actor: generates with its rollout engine, computes log-probs, updates, syncs weights."""
 
-    def __init__(self, cfg: Config, model_path: str):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, model_path: str, dist: Dist):
+        self.cfg, self.dist = cfg, dist
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        torch.manual_seed(cfg.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
-        self.model.train()
-        self.ref = None
-        if cfg.use_kl_loss:  # the frozen reference: the initial policy
-            self.ref = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
-            self.ref.requires_grad_(False)
+        # FSDP2 over the dp ranks (the plain model in one process); fp32 master weights
+        self.model = load_sharded_model(model_path, dist, cfg.fsdp)
+        self.ref = load_sharded_model(model_path, dist, cfg.fsdp, trainable=False) if cfg.use_kl_loss else None
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=self.model,
                                     tokenizer=self.tokenizer,
@@ -244,7 +249,7 @@ class ActorWorker:
 
     def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> TensorDict:
         """n responses per prompt (prompt-major: rows i*n .. i*n+n-1 share prompt i) -> batch."""
-        n = 1 if greedy else self.cfg.n
+        n = 1 if greedy else self.cfg.rollout_n
         out = self.rollout.generate(prompts, n=n, max_tokens=self.cfg.max_response_length,
                                     temperature=0.0 if greedy else self.cfg.temperature,
                                     top_p=self.cfg.top_p, seeds=seeds)
@@ -263,24 +268,28 @@ class ActorWorker:
         """PPO epochs over mini-batches; each mini-batch is one optimizer step over its micro-batches."""
         cfg, per_step = self.cfg, []
         for _ in range(cfg.ppo_epochs):
-            for mb in batch.split(cfg.ppo_mini_batch_size * cfg.n):
+            for mb in batch.split(cfg.ppo_mini_batch_size // self.dist.dp_size * cfg.rollout_n):  # this rank's share
                 # Every micro-batch divides by the mini-batch's counts, so the summed gradients are the
                 # mini-batch's gradient; loss metrics add up the same way, ratios are weighted by share.
-                counts = dict(n_tokens=mb["response_mask"].sum(), n_seqs=mb.batch_size[0],
+                # Counts over all dp ranks, times dp_size to undo FSDP's gradient averaging: every rank's
+                # loss is its part of the global mini-batch's loss, whatever its token count.
+                total = reduce_metrics({"tokens": mb["response_mask"].sum().item(), "seqs": mb.batch_size[0]},
+                                       self.dist, sum_keys=("tokens", "seqs"))
+                counts = dict(n_tokens=total["tokens"] / self.dist.dp_size, n_seqs=total["seqs"] / self.dist.dp_size,
                               norm_len=cfg.max_response_length)
                 step = {}
                 for micro in mb.split(cfg.ppo_micro_batch_size):
                     loss, metrics = self.micro_batch_loss(micro, counts)
                     loss.backward()
-                    share = micro.batch_size[0] / counts["n_seqs"]
+                    share = micro.batch_size[0] / mb.batch_size[0]
                     for k, v in metrics.items():
                         step[k] = step.get(k, 0.0) + (v if k in LOSS_METRICS else v * share)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                if torch.isfinite(grad_norm):  # a NaN/inf gradient would poison the weights: skip the step
+                grad_norm = clip_grad_norm(self.model, cfg.grad_clip)  # across shards
+                if math.isfinite(grad_norm):  # a NaN/inf gradient would poison the weights: skip the step
                     self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
-                step["actor/grad_norm"] = grad_norm.item()
-                step["actor/skipped_steps"] = float(not torch.isfinite(grad_norm))
+                step["actor/grad_norm"] = grad_norm
+                step["actor/skipped_steps"] = float(not math.isfinite(grad_norm))
                 per_step.append(step)
         out = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
         out["actor/skipped_steps"] *= len(per_step)  # a count, not a mean
@@ -303,17 +312,16 @@ class ActorWorker:
         return loss, metrics
 
     def sync_weights(self):
-        """Hand the updated weights to the rollout engine (the hybrid engine streams them; see rollout.py)."""
-        self.rollout.update_weights((name, p.detach()) for name, p in self.model.named_parameters())
+        """Hand the updated weights to this rank's rollout engine.
 
-    def save(self, path: str):
-        tmp = path + ".tmp"
-        self.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        if os.path.exists(path):
-            os.rename(path, path + ".old")
-        os.replace(tmp, path)  # written whole, then renamed: an interrupted save leaves no half checkpoint
-        shutil.rmtree(path + ".old", ignore_errors=True)
+        One bucket holds the whole model for now: the engine fuses q/k/v and gate/up, so a bucket must not split
+        a layer (hybrid_engine.py will stream layer-aligned buckets without a second full copy).
+        """
+        if self.dist.mesh is None:  # one process: the parameters themselves, no copy
+            self.rollout.update_weights((name, p.detach()) for name, p in self.model.named_parameters())
+            return
+        for bucket in full_weights(self.model, bucket_bytes=1 << 62):  # every rank gathers the full weights
+            self.rollout.update_weights(bucket)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -329,10 +337,12 @@ def score(batch: TensorDict, rows: list[dict], tokenizer, reward_fn) -> torch.Te
 
 
 def evaluate(worker: ActorWorker, val_rows: list[dict], reward_fn) -> dict:
-    """Greedy accuracy on held-out prompts (one response each)."""
-    batch = worker.generate([r["prompt_ids"] for r in val_rows], seeds=None, greedy=True)
-    scores = score(batch, val_rows, worker.tokenizer, reward_fn)
-    return {"val/accuracy": scores.mean().item(), "val/response_length": batch["response_mask"].sum(-1).mean().item()}
+    """Greedy accuracy on held-out prompts (one response each); each dp rank takes its share."""
+    rows = val_rows[worker.dist.dp_rank :: worker.dist.dp_size]
+    batch = worker.generate([r["prompt_ids"] for r in rows], seeds=None, greedy=True)
+    scores = score(batch, rows, worker.tokenizer, reward_fn)
+    total = reduce_metrics({"correct": scores.sum().item(), "n": len(rows)}, worker.dist, sum_keys=("correct", "n"))
+    return {"val/accuracy": total["correct"] / total["n"]}
 
 
 @contextmanager
@@ -374,15 +384,34 @@ def sample_seed(cfg: Config, step: int, row: int) -> int:
     return (cfg.seed * 1_000_003 + step * 100_003 + row) % (2**31 - 1)
 
 
-def resolve_defaults(cfg: Config) -> tuple[str, str, str]:
-    """(model_path, train_files, val_files), warm-starting the built-in policy on the built-in task if unset."""
+def resolve_defaults(cfg: Config, dist: Dist) -> tuple[str, str, str]:
+    """(model_path, train_files, val_files), warm-starting the built-in policy on the built-in task if unset.
+    Rank 0 trains and writes first; the other ranks then find its cached results."""
     from sft import SFTConfig, builtin_files, run as run_sft
 
-    model_path = cfg.model_path or run_sft(SFTConfig())
-    if cfg.train_files and cfg.val_files:
-        return model_path, cfg.train_files, cfg.val_files
-    train_files, val_files = builtin_files(SFTConfig(), os.path.join(cfg.out_dir, "data"))
-    return model_path, cfg.train_files or train_files, cfg.val_files or val_files
+    model_path, files = cfg.model_path, (cfg.train_files, cfg.val_files)
+    for main_turn in (True, False):
+        if main_turn == dist.is_main:
+            model_path = model_path or run_sft(SFTConfig())
+            if not all(files):
+                builtin = builtin_files(SFTConfig(), os.path.join(cfg.out_dir, "data"))
+                files = tuple(f or b for f, b in zip(files, builtin))
+        barrier(dist)
+    return model_path, *files
+
+
+def resume(cfg: Config, worker: ActorWorker, ckpt_dir: str) -> tuple[int, list[dict]]:
+    """(first step to run, records so far), restoring model and optimizer from a checkpoint when there is one.
+
+    Nothing else needs restoring: a step's prompts and sampling seeds are functions of the step alone.
+    """
+    path = None if cfg.resume == "off" else find_latest(ckpt_dir) if cfg.resume == "auto" else cfg.resume
+    if path is None:
+        return 1, []
+    extra = load_checkpoint(path, worker.model, worker.opt, worker.dist)
+    worker.sync_weights()  # the engine started from model_path's weights
+    print(f"resumed from {path} at step {extra['step']}")
+    return extra["step"] + 1, extra["records"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -393,36 +422,50 @@ AdvantageFn = Callable[[TensorDict, Config], TensorDict]
 
 
 def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
-    """Run cfg.total_steps RL steps; returns the logged records (also in out_dir/metrics.jsonl)."""
+    """Run cfg.total_steps RL steps on every rank (SPMD); returns the records rank 0 logs to metrics.jsonl."""
+    dist = init_distributed()
+    if cfg.train_batch_size % dist.dp_size or cfg.ppo_mini_batch_size % dist.dp_size:
+        raise ValueError(f"train_batch_size={cfg.train_batch_size} and ppo_mini_batch_size={cfg.ppo_mini_batch_size}"
+                         f" must divide by the {dist.dp_size} data-parallel ranks")
+    if cfg.rollout_backend == "hf" and dist.dp_size > 1:  # sharded generate stops at different steps per rank
+        raise ValueError("rollout_backend='hf' runs in one process only; use 'vllm' with torchrun")
     os.makedirs(cfg.out_dir, exist_ok=True)
-    model_path, train_files, val_files = resolve_defaults(cfg)
-    worker = ActorWorker(cfg, model_path)
+    model_path, train_files, val_files = resolve_defaults(cfg, dist)
+    worker = ActorWorker(cfg, model_path, dist)
     reward_fn = load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name)
     train_ds = RLDataset(train_files.split(","), worker.tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
     val_ds = RLDataset(val_files.split(","), worker.tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
     val_rows = [val_ds[i] for i in range(min(cfg.val_size, len(val_ds)))]
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-        json.dump(asdict(cfg), f, indent=1)
-    log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w")
-    records = []
+    ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
+    start, records = resume(cfg, worker, ckpt_dir)
+    log = None
+    if dist.is_main:  # only rank 0 writes files
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            json.dump(asdict(cfg), f, indent=1)
+        log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w")
+        log.writelines(json.dumps(r) + "\n" for r in records)
 
     def emit(record: dict):
         records.append(record)
-        log.write(json.dumps(record) + "\n")
-        log.flush()
+        if log:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
 
-    emit({"step": 0, **evaluate(worker, val_rows, reward_fn)})
-    bar = tqdm(range(1, cfg.total_steps + 1), desc="rl")
+    if start == 1:
+        emit({"step": 0, **evaluate(worker, val_rows, reward_fn)})
+    per_rank = cfg.train_batch_size // dist.dp_size
+    bar = tqdm(range(start, cfg.total_steps + 1), desc="rl", disable=not dist.is_main)
     for step in bar:
         metrics = {"step": step}
         with timer("step", metrics):
-            rows = [train_ds[i] for i in prompt_indices(step, cfg, len(train_ds))]
+            indices = prompt_indices(step, cfg, len(train_ds))[dist.dp_rank * per_rank : (dist.dp_rank + 1) * per_rank]
+            rows = [train_ds[i] for i in indices]  # this rank's prompts
 
             # ==================== 1. generate: n responses per prompt ====================
             with timer("gen", metrics):
                 batch = worker.generate([r["prompt_ids"] for r in rows], [sample_seed(cfg, step, r["index"]) for r in rows])
-            batch["group"] = torch.arange(len(rows)).repeat_interleave(cfg.n)  # [B]: which prompt
-            rows = [r for r in rows for _ in range(cfg.n)]
+            batch["group"] = torch.arange(len(rows)).repeat_interleave(cfg.rollout_n)  # [B]: a prompt's n samples stay together
+            rows = [r for r in rows for _ in range(cfg.rollout_n)]
 
             # ==================== 2. reward: the task's verifier ====================
             with timer("reward", metrics):
@@ -447,20 +490,25 @@ def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
             with timer("update_weights", metrics):
                 worker.sync_weights()
 
-        # ==================== 7. metrics, evaluation ====================
+        # ==================== 7. metrics, evaluation, checkpoint ====================
         metrics.update(batch_metrics(batch, cfg.max_response_length))
-        metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]
+        metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]  # per rank
+        metrics = reduce_metrics(metrics, dist)  # mean over ranks; /max and /min keys by max and min
         if step % cfg.eval_every == 0 or step == cfg.total_steps:
             with timer("testing", metrics):
                 metrics.update(evaluate(worker, val_rows, reward_fn))
         emit(metrics)
+        if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            save_checkpoint(ckpt_dir, step, worker.model, worker.opt, {"step": step, "records": records}, dist)
         bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", acc=metrics.get("val/accuracy", ""))
 
-    worker.save(os.path.join(cfg.out_dir, "final"))
-    plot_curves(records, os.path.join(cfg.out_dir, "curves.png"))
-    log.close()
-    first, last = records[0]["val/accuracy"], records[-1]["val/accuracy"]
-    print(f"held-out greedy accuracy: {first:.3f} -> {last:.3f}; outputs in {cfg.out_dir}")
+    export_hf(worker.model, worker.tokenizer, os.path.join(cfg.out_dir, "final"), dist)
+    if dist.is_main:
+        plot_curves(records, os.path.join(cfg.out_dir, "curves.png"))
+        log.close()
+        print(f"held-out greedy accuracy: {records[0]['val/accuracy']:.3f} -> {records[-1]['val/accuracy']:.3f}; "
+              f"outputs in {cfg.out_dir}")
+    shutdown(dist)
     return records
 
 

@@ -9,10 +9,31 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: import ppo, sft, ...
 
-from sft import build_char_tokenizer  # noqa: E402
+from data.arith import ArithConfig, write_parquet  # noqa: E402
+from sft import SFTConfig, build_char_tokenizer, build_tiny_qwen2  # noqa: E402
+
+# A dense reward that a random policy can learn in a few steps: the share of digits in the response.
+DIGIT_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+'''
 
 
 @pytest.fixture(scope="session")
 def char_tokenizer():
     """The built-in byte-level tokenizer (one token per byte) with its minimal chat template."""
     return build_char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_rl_setup(tmp_path_factory, char_tokenizer) -> dict:
+    """A tiny random Qwen2 policy, a small arith task and the digit reward, on disk: grpo.py's arguments."""
+    root = tmp_path_factory.mktemp("tiny_rl")
+    model = build_tiny_qwen2(char_tokenizer, SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                                                       intermediate_size=128))
+    model.save_pretrained(root / "model")
+    char_tokenizer.save_pretrained(root / "model")
+    train_file, val_file = write_parquet(ArithConfig(out_dir=str(root / "data"), n_train=512, n_val=16))
+    (root / "reward.py").write_text(DIGIT_REWARD)
+    return dict(model_path=str(root / "model"), train_files=train_file, val_files=val_file,
+                reward_fn_path=str(root / "reward.py"))

@@ -11,30 +11,14 @@ import os
 
 import pytest
 
-from data.arith import ArithConfig, write_parquet
 from grpo import grpo_advantages
 from ppo import Config, train
-from sft import SFTConfig, build_char_tokenizer, build_tiny_qwen2
-
-DIGIT_REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
-'''
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo")
-    tok = build_char_tokenizer()
-    model = build_tiny_qwen2(tok, SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                                            intermediate_size=128))
-    model.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    train_file, val_file = write_parquet(ArithConfig(out_dir=str(root / "data"), n_train=512, n_val=16))
-    (root / "reward.py").write_text(DIGIT_REWARD)
-    cfg = Config(model_path=str(root / "model"), train_files=train_file, val_files=val_file,
-                 reward_fn_path=str(root / "reward.py"), train_batch_size=16, ppo_mini_batch_size=8, n=8,
-                 max_response_length=6, lr=3e-3, total_steps=16, eval_every=8, out_dir=str(root / "out"))
+def run(tiny_rl_setup, tmp_path_factory):
+    cfg = Config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6, lr=3e-3,
+                 total_steps=16, eval_every=8, out_dir=str(tmp_path_factory.mktemp("grpo") / "out"))
     return cfg, train(cfg, grpo_advantages)
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from grpo import grpo_advantages
+from comm import init_distributed
 from ppo import ActorWorker, Config
 from sft import SFTConfig, build_tiny_qwen2
 
@@ -27,7 +28,7 @@ def make_batch(worker: ActorWorker, seed: int = 0):
     """A sampled batch with rewards, old log-probs and GRPO advantages, as the loop builds it."""
     prompts = [worker.tokenizer(t)["input_ids"] for t in ["1+2=", "33-4=", "7+8=", "9-9="]]
     batch = worker.generate(prompts, seeds=[seed + i for i in range(len(prompts))])
-    batch["group"] = torch.arange(len(prompts)).repeat_interleave(worker.cfg.n)
+    batch["group"] = torch.arange(len(prompts)).repeat_interleave(worker.cfg.rollout_n)
     batch["scores"] = batch["response_mask"].sum(-1) % 3 / 2.0  # any reward that differs within groups
     batch["old_log_probs"] = worker.log_probs(batch)
     batch["advantages"] = grpo_advantages(batch, worker.cfg)
@@ -43,9 +44,9 @@ def test_micro_batches_give_the_whole_batch_gradient(model_path, mode):
     """Splitting a mini-batch into micro-batches of 3 sequences changes nothing, in every aggregation mode."""
     results = []
     for micro in (3, 16):
-        cfg = Config(model_path=model_path, rollout_backend="hf", n=4, train_batch_size=4, ppo_mini_batch_size=4,
+        cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
                      ppo_micro_batch_size=micro, loss_agg_mode=mode, lr=1e-2, max_response_length=6)
-        worker = ActorWorker(cfg, model_path)
+        worker = ActorWorker(cfg, model_path, init_distributed())
         batch = make_batch(worker)
         before = params(worker)
         metrics = worker.update(batch)
@@ -60,11 +61,11 @@ def test_micro_batches_give_the_whole_batch_gradient(model_path, mode):
 
 def test_non_finite_gradient_skips_the_step(model_path):
     """A NaN advantage poisons the gradient: the optimizer step is skipped and the weights stay as they were."""
-    cfg = Config(model_path=model_path, rollout_backend="hf", n=4, train_batch_size=4, ppo_mini_batch_size=2,
+    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=2,
                  max_response_length=6)
-    worker = ActorWorker(cfg, model_path)
+    worker = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(worker)
-    batch["advantages"][: cfg.n * 2] = float("nan")  # the first mini-batch only
+    batch["advantages"][: cfg.rollout_n * 2] = float("nan")  # the first mini-batch only
     before = params(worker)
     metrics = worker.update(batch)
     assert metrics["actor/skipped_steps"] == 1.0
