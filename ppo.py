@@ -20,12 +20,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
 import torch
-import torch.nn.functional as F
 from tensordict import TensorDict
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from comm import Dist, barrier, init_distributed, reduce_metrics, shutdown
+from comm import Dist, broadcast_object, init_distributed, reduce_metrics, shutdown
 from data import RLDataset, load_reward_fn
 from rollout import make_rollout
 from sharding import FSDPConfig, clip_grad_norm, export_hf, find_latest, full_weights, load_checkpoint, \
@@ -117,13 +116,21 @@ class Config:
     """auto: continue from out_dir/checkpoints' latest if there is one; off: start over; or a checkpoint path."""
 
     def __post_init__(self):
+        for name in ("rollout_n", "train_batch_size", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs",
+                     "total_steps", "eval_every", "val_size", "max_prompt_length", "max_response_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.train_batch_size % self.ppo_mini_batch_size:
             raise ValueError(f"train_batch_size={self.train_batch_size} must be a multiple of "
                              f"ppo_mini_batch_size={self.ppo_mini_batch_size}")
         if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
-        if self.rollout_n < 1 or self.temperature <= 0:
-            raise ValueError("rollout_n must be >= 1 and temperature > 0")
+            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.ckpt_every < 0:
+            raise ValueError(f"ckpt_every={self.ckpt_every} must be >= 0 (0: no checkpoints)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -245,7 +252,8 @@ class ActorWorker:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=self.model,
                                     tokenizer=self.tokenizer,
-                                    max_model_len=cfg.max_prompt_length + cfg.max_response_length, seed=cfg.seed)
+                                    max_model_len=cfg.max_prompt_length + cfg.max_response_length, seed=cfg.seed,
+                                    dtype=cfg.fsdp.param_dtype)  # the engine computes in the trainer's dtype
 
     def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> TensorDict:
         """n responses per prompt (prompt-major: rows i*n .. i*n+n-1 share prompt i) -> batch."""
@@ -385,19 +393,17 @@ def sample_seed(cfg: Config, step: int, row: int) -> int:
 
 
 def resolve_defaults(cfg: Config, dist: Dist) -> tuple[str, str, str]:
-    """(model_path, train_files, val_files), warm-starting the built-in policy on the built-in task if unset.
-    Rank 0 trains and writes first; the other ranks then find its cached results."""
+    """(model_path, train_files, val_files), warm-starting the built-in policy on the built-in task if unset."""
     from sft import SFTConfig, builtin_files, run as run_sft
 
-    model_path, files = cfg.model_path, (cfg.train_files, cfg.val_files)
-    for main_turn in (True, False):
-        if main_turn == dist.is_main:
-            model_path = model_path or run_sft(SFTConfig())
-            if not all(files):
-                builtin = builtin_files(SFTConfig(), os.path.join(cfg.out_dir, "data"))
-                files = tuple(f or b for f, b in zip(files, builtin))
-        barrier(dist)
-    return model_path, *files
+    paths = None
+    if dist.is_main:  # rank 0 trains the warm start and writes the task files; the others receive the paths
+        files = (cfg.train_files, cfg.val_files)
+        if not all(files):
+            builtin = builtin_files(SFTConfig(), os.path.join(cfg.out_dir, "data"))
+            files = tuple(f or b for f, b in zip(files, builtin))
+        paths = (cfg.model_path or run_sft(SFTConfig()), *files)
+    return broadcast_object(paths, dist)
 
 
 def resume(cfg: Config, worker: ActorWorker, ckpt_dir: str) -> tuple[int, list[dict]]:
@@ -409,6 +415,8 @@ def resume(cfg: Config, worker: ActorWorker, ckpt_dir: str) -> tuple[int, list[d
     if path is None:
         return 1, []
     extra = load_checkpoint(path, worker.model, worker.opt, worker.dist)
+    for group in worker.opt.param_groups:  # the optimizer state resumes; the learning rate is this run's
+        group["lr"] = cfg.lr
     worker.sync_weights()  # the engine started from model_path's weights
     print(f"resumed from {path} at step {extra['step']}")
     return extra["step"] + 1, extra["records"]
@@ -436,6 +444,10 @@ def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
     train_ds = RLDataset(train_files.split(","), worker.tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
     val_ds = RLDataset(val_files.split(","), worker.tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
     val_rows = [val_ds[i] for i in range(min(cfg.val_size, len(val_ds)))]
+    if len(train_ds) < cfg.train_batch_size:
+        raise ValueError(f"train_files={train_files} hold {len(train_ds)} prompts < train_batch_size={cfg.train_batch_size}")
+    if len(val_rows) < dist.dp_size:
+        raise ValueError(f"val_files={val_files}: {len(val_rows)} prompts (val_size={cfg.val_size}) for {dist.dp_size} ranks")
     ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
     start, records = resume(cfg, worker, ckpt_dir)
     log = None
@@ -452,7 +464,8 @@ def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
             log.flush()
 
     if start == 1:
-        emit({"step": 0, **evaluate(worker, val_rows, reward_fn)})
+        emit({"step": 0, "prompt/num_truncated": train_ds.num_truncated + val_ds.num_truncated,
+              **evaluate(worker, val_rows, reward_fn)})
     per_rank = cfg.train_batch_size // dist.dp_size
     bar = tqdm(range(start, cfg.total_steps + 1), desc="rl", disable=not dist.is_main)
     for step in bar:
@@ -493,7 +506,7 @@ def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
         # ==================== 7. metrics, evaluation, checkpoint ====================
         metrics.update(batch_metrics(batch, cfg.max_response_length))
         metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]  # per rank
-        metrics = reduce_metrics(metrics, dist)  # mean over ranks; /max and /min keys by max and min
+        metrics = {**reduce_metrics(metrics, dist), "step": step}  # mean over ranks; /max, /min keys by max, min
         if step % cfg.eval_every == 0 or step == cfg.total_steps:
             with timer("testing", metrics):
                 metrics.update(evaluate(worker, val_rows, reward_fn))
@@ -522,8 +535,8 @@ def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
         "critic/score/max": batch["scores"].max().item(),
         "critic/score/min": batch["scores"].min().item(),
         "critic/advantages/mean": masked_mean(batch["advantages"], mask).item(),
-        "critic/advantages/max": batch["advantages"].max().item(),
-        "critic/advantages/min": batch["advantages"].min().item(),
+        "critic/advantages/max": batch["advantages"][mask.bool()].max().item(),
+        "critic/advantages/min": batch["advantages"][mask.bool()].min().item(),
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
         "response_length/clip_ratio": (lengths >= max_response_length).float().mean().item(),

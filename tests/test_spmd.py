@@ -29,7 +29,8 @@ def args(setup: dict, out_dir, **overrides) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()]
 
 
-def grpo(argv: list[str], ranks: int = 1, wait: bool = True):
+def grpo(argv: list[str], log_path, ranks: int = 1, wait: bool = True):
+    """Run grpo.py (under torchrun when ranks > 1), its output in log_path (a file: a pipe could fill and block)."""
     if ranks == 1:
         cmd = [sys.executable, os.path.join(ROOT, "grpo.py")]
     else:
@@ -38,11 +39,12 @@ def grpo(argv: list[str], ranks: int = 1, wait: bool = True):
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
                f"--master_port={port}", os.path.join(ROOT, "grpo.py")]
-    proc = subprocess.Popen(cmd + argv, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(cmd + argv, env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
     if wait:
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out[-3000:]
+        proc.wait(timeout=300)
+        assert proc.returncode == 0, open(log_path).read()[-3000:]
     return proc
 
 
@@ -57,12 +59,12 @@ def final_weights(out_dir) -> dict:
 @pytest.fixture(scope="module")
 def two_ranks(tiny_rl_setup, tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
-    grpo(args(tiny_rl_setup, out, total_steps=2, ckpt_every=2), ranks=2)
+    grpo(args(tiny_rl_setup, out, total_steps=2, ckpt_every=2), out / "log", ranks=2)
     return out
 
 
 def test_two_ranks_log_what_one_process_logs(tiny_rl_setup, two_ranks, tmp_path):
-    grpo(args(tiny_rl_setup, tmp_path, total_steps=2))
+    grpo(args(tiny_rl_setup, tmp_path, total_steps=2), tmp_path / "log")
     one, two = records(tmp_path), records(two_ranks)
     assert [r.keys() for r in one] == [r.keys() for r in two]
     assert one[0]["val/accuracy"] == two[0]["val/accuracy"]  # the same initial weights, greedy
@@ -72,15 +74,15 @@ def test_two_ranks_log_what_one_process_logs(tiny_rl_setup, two_ranks, tmp_path)
 
 
 def test_two_rank_checkpoint_resumes_in_one_process(tiny_rl_setup, two_ranks):
-    grpo(args(tiny_rl_setup, two_ranks, total_steps=3, ckpt_every=2))
-    steps = [r["step"] for r in records(two_ranks)]
-    assert steps == [0, 1, 2, 3]
+    grpo(args(tiny_rl_setup, two_ranks, total_steps=3, ckpt_every=2), two_ranks / "log_resume")
+    assert "resumed from" in open(two_ranks / "log_resume").read() and "step_2" in open(two_ranks / "log_resume").read()
+    assert [r["step"] for r in records(two_ranks)] == [0, 1, 2, 3]
 
 
 def test_killed_run_resumes_exactly(tiny_rl_setup, tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    grpo(args(tiny_rl_setup, whole, total_steps=6, ckpt_every=2))
-    proc = grpo(args(tiny_rl_setup, broken, total_steps=6, ckpt_every=2), wait=False)
+    grpo(args(tiny_rl_setup, whole, total_steps=6, ckpt_every=2), tmp_path / "whole.log")
+    proc = grpo(args(tiny_rl_setup, broken, total_steps=6, ckpt_every=2), tmp_path / "broken.log", wait=False)
     latest = broken / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and proc.poll() is None and time.time() < deadline:
@@ -88,7 +90,8 @@ def test_killed_run_resumes_exactly(tiny_rl_setup, tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # the whole process group, mid-run
     proc.wait()
     assert latest.exists() and not (broken / "final").exists(), "the run must die after a checkpoint, before its end"
-    grpo(args(tiny_rl_setup, broken, total_steps=6, ckpt_every=2))  # resume=auto by default
+    grpo(args(tiny_rl_setup, broken, total_steps=6, ckpt_every=2), tmp_path / "resumed.log")  # resume=auto
+    assert "resumed from" in open(tmp_path / "resumed.log").read()
     a, b = records(whole), records(broken)
     assert [r["step"] for r in b] == list(range(7))
     assert [r.get("critic/score/mean") for r in a] == [r.get("critic/score/mean") for r in b]
