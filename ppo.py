@@ -417,6 +417,7 @@ def resume(cfg: Config, worker: ActorWorker, ckpt_dir: str) -> tuple[int, list[d
     extra = load_checkpoint(path, worker.model, worker.opt, worker.dist)
     for group in worker.opt.param_groups:  # the optimizer state resumes; the learning rate is this run's
         group["lr"] = cfg.lr
+    torch.set_rng_state(extra["rng"])
     worker.sync_weights()  # the engine started from model_path's weights
     print(f"resumed from {path} at step {extra['step']}")
     return extra["step"] + 1, extra["records"]
@@ -512,7 +513,9 @@ def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
                 metrics.update(evaluate(worker, val_rows, reward_fn))
         emit(metrics)
         if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-            save_checkpoint(ckpt_dir, step, worker.model, worker.opt, {"step": step, "records": records}, dist)
+            # the data position is the step itself (prompt_indices); RNG states for anything seeded globally
+            extra = {"step": step, "records": records, "rng": torch.get_rng_state()}
+            save_checkpoint(ckpt_dir, step, worker.model, worker.opt, extra, dist)
         bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", acc=metrics.get("val/accuracy", ""))
 
     export_hf(worker.model, worker.tokenizer, os.path.join(cfg.out_dir, "final"), dist)
