@@ -12,12 +12,15 @@ API (the whole of it):
     obj = broadcast_object(obj, dist, src=0)               # every rank gets src's python object
     barrier(dist)
     shutdown(dist)                                        # barrier, then destroy the process group (if still there)
+    with timer("gen", metrics): ...                       # metrics["timing_s/gen"] = seconds
 
 The mesh has a "dp" dimension, and a "tp" one when tp_size > 1 (dp = world_size / tp_size); sharding.py
 shards parameters over mesh["dp"]. Metrics are reduced over the dp ranks: tp ranks hold the same data.
 """
 
 import os
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -126,3 +129,11 @@ def shutdown(dist: Dist) -> None:
     if dist.mesh is not None and tdist.is_initialized():
         tdist.barrier()
         tdist.destroy_process_group()
+
+
+@contextmanager
+def timer(name: str, metrics: dict):
+    """Wall time of the block, as metrics["timing_s/<name>"] (verl's metric names)."""
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = time.perf_counter() - start

@@ -14,8 +14,6 @@ Advantage estimators are passed in (grpo.py); this file holds no GRPO specifics.
 import json
 import math
 import os
-import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
@@ -24,7 +22,7 @@ from tensordict import TensorDict
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from comm import Dist, broadcast_object, init_distributed, reduce_metrics, shutdown
+from comm import Dist, broadcast_object, init_distributed, reduce_metrics, shutdown, timer
 from data import RLDataset, load_reward_fn
 from rollout import make_rollout
 from sharding import FSDPConfig, clip_grad_norm, export_hf, find_latest, full_weights, load_checkpoint, \
@@ -103,6 +101,8 @@ class Config:
     """RL steps."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 sharding of actor and reference over the data-parallel ranks (torchrun); unused in one process."""
+    dist_timeout_s: int = 1800
+    """Seconds a collective may wait before the run fails (torchrun only)."""
     # ---- run ----
     eval_every: int = 25
     """Steps between greedy evaluations (also before the first step and at the end)."""
@@ -353,13 +353,6 @@ def evaluate(worker: ActorWorker, val_rows: list[dict], reward_fn) -> dict:
     return {"val/accuracy": total["correct"] / total["n"]}
 
 
-@contextmanager
-def timer(name: str, metrics: dict):
-    start = time.perf_counter()
-    yield
-    metrics[f"timing_s/{name}"] = time.perf_counter() - start
-
-
 def plot_curves(records: list[dict], path: str):
     """curves.png: training reward and held-out accuracy against step."""
     import matplotlib
@@ -432,7 +425,7 @@ AdvantageFn = Callable[[TensorDict, Config], TensorDict]
 
 def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
     """Run cfg.total_steps RL steps on every rank (SPMD); returns the records rank 0 logs to metrics.jsonl."""
-    dist = init_distributed()
+    dist = init_distributed(cfg.dist_timeout_s)
     if cfg.train_batch_size % dist.dp_size or cfg.ppo_mini_batch_size % dist.dp_size:
         raise ValueError(f"train_batch_size={cfg.train_batch_size} and ppo_mini_batch_size={cfg.ppo_mini_batch_size}"
                          f" must divide by the {dist.dp_size} data-parallel ranks")
