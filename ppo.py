@@ -170,10 +170,10 @@ def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, clip_c, agg_mode
     logp, old_logp, adv, mask: [B, R]. Clip-higher (DAPO) uses clip_high > clip_low.
     """
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)  # [B, R], clamped so exp cannot overflow
-    ratio = log_ratio.exp()
-    loss_unclipped = -adv * ratio
-    loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)  # pessimistic of the two
+    ratio = log_ratio.exp()  # [B, R]
+    loss_unclipped = -adv * ratio  # [B, R]
+    loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, R]
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)  # [B, R], the pessimistic of the two
     # Dual-clip (Ye et al. 2020): for adv < 0, bound the loss by -adv * clip_c when the ratio explodes.
     loss_dual = torch.minimum(loss_ppo, -adv * clip_c)
     loss_mat = torch.where(adv < 0, loss_dual, loss_ppo)  # [B, R]

@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 import tyro
-from data import default_compute_score, tokenize_prompt
+from data import default_compute_score, read_rl_parquet, tokenize_prompt
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -288,9 +288,7 @@ def run(cfg: SFTConfig) -> str:
         model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype=torch.float32)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     pairs = read_sft_rows(train_files, cfg.prompt_key, cfg.response_key)
-    val_rows = pd.read_parquet(val_files.split(",")[0]).to_dict("records")[: cfg.eval_size]
-    for r in val_rows:
-        r["prompt"] = [dict(m) for m in r["prompt"]]
+    val_rows = read_rl_parquet(val_files.split(",")[0])[: cfg.eval_size]  # schema-checked, plain python rows
     result = train(cfg, model, tokenizer, pairs, val_rows, out_dir)
     print(f"SFT stopped at step {result['steps']}: held-out greedy accuracy {result['val/accuracy']:.3f} -> {out_dir}")
     return out_dir

@@ -53,11 +53,6 @@ def test_agg_loss_modes_by_hand(mode):
     assert agg_loss(LOSS, MASK, mode).item() == approx(HAND[mode])
 
 
-def test_agg_loss_modes_differ_on_this_batch():
-    # guards the hand table above: the rows have different lengths, so every mode gives its own number
-    assert len({round(v, 9) for v in HAND.values()}) == len(MODES)
-
-
 def test_agg_loss_seq_mean_token_sum_norm_explicit_norm_len():
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_len=8).item() == approx(45 / (3 * 8))  # 1.875
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_len=5).item() == approx(45 / (3 * 5))  # 3.0
