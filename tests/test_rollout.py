@@ -10,9 +10,11 @@ import copy
 
 import pytest
 import torch
+from transformers import Qwen2ForCausalLM
+
+from data import tokenize_prompt
 from rollout import HFRollout, VLLMRollout
 from sft import SFTConfig, build_char_tokenizer, build_tiny_qwen2
-from transformers import Qwen2ForCausalLM
 
 TINY = SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 QUESTIONS = ["12+34=", "7-5=", "99+1=", "3+3=", "50-25="]
@@ -21,8 +23,7 @@ TOL = 1e-4
 
 
 def chat_ids(tok, question: str) -> list[int]:
-    text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
-    return tok(text, add_special_tokens=False)["input_ids"]
+    return tokenize_prompt(tok, [{"role": "user", "content": question}])
 
 
 @torch.no_grad()
