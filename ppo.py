@@ -22,6 +22,7 @@ from tensordict import TensorDict
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from batching import balance_ranks, flops_workload, map_micro_batches, micro_batches, pack, packing_works, unpack
 from comm import Dist, broadcast_object, init_distributed, reduce_metrics, shutdown, timer
 from data import RLDataset, load_reward_fn
 from rollout import make_rollout
@@ -95,6 +96,23 @@ class Config:
     """Prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per epoch."""
     ppo_micro_batch_size: int = 64
     """Sequences per forward/backward pass (gradient accumulation); also the log-prob pass size."""
+    use_dynamic_bsz: bool = False
+    """Micro-batches by token budget (ppo_max_token_len_per_gpu) instead of ppo_micro_batch_size sequences;
+    the same gradient, less padding (batching.py)."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """use_dynamic_bsz: most real tokens (prompt + response) in one update micro-batch on one rank; a longer
+    sequence gets a micro-batch of its own (actor/over_budget_seqs counts them)."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """use_dynamic_bsz: the token budget of the log-prob passes (no activations kept, so it may be larger);
+    None: ppo_max_token_len_per_gpu."""
+    use_remove_padding: bool = False
+    """Pack each micro-batch into one row without padding, position_ids restarting per sequence; falls back to
+    padded micro-batches, with a message, where the model's attention would let the sequences see each other."""
+    balance_batch: bool = True
+    """Re-deal the step's prompt groups across dp ranks by workload (Karmarkar-Karp) before the log-prob passes;
+    a no-op in one process (the global_seqlen metrics still report)."""
+    balance_by: Literal["tokens", "flops"] = "tokens"
+    """Workload of a sequence for balance_batch: its token count, or a FLOP estimate (long sequences weigh more)."""
     ppo_epochs: int = 1
     """Passes over each RL batch."""
     total_steps: int = 450
@@ -131,6 +149,14 @@ class Config:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.ckpt_every < 0:
             raise ValueError(f"ckpt_every={self.ckpt_every} must be >= 0 (0: no checkpoints)")
+        if self.ppo_max_token_len_per_gpu < 1:
+            raise ValueError(f"ppo_max_token_len_per_gpu={self.ppo_max_token_len_per_gpu} must be >= 1")
+        if not self.use_dynamic_bsz and self.log_prob_max_token_len_per_gpu is not None:
+            raise ValueError("log_prob_max_token_len_per_gpu applies only with use_dynamic_bsz (turn it on, or drop it)")
+        if self.use_dynamic_bsz and self.log_prob_max_token_len_per_gpu is None:
+            self.log_prob_max_token_len_per_gpu = self.ppo_max_token_len_per_gpu
+        if self.use_dynamic_bsz and self.log_prob_max_token_len_per_gpu < 1:
+            raise ValueError(f"log_prob_max_token_len_per_gpu={self.log_prob_max_token_len_per_gpu} must be >= 1")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -209,9 +235,13 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 
 
-def pad_batch(prompts: list[list[int]], responses: list[list[int]], rollout_logps: list[list[float]], pad_id: int):
-    """Left-pad prompts and right-pad responses into verl's batch layout (a TensorDict of [B, ...])."""
-    B, P, R = len(responses), max(map(len, prompts)), max(1, max(map(len, responses)))
+def pad_batch(prompts: list[list[int]], responses: list[list[int]], rollout_logps: list[list[float]], pad_id: int,
+              widths: tuple[int, int] | None = None):
+    """Left-pad prompts and right-pad responses into verl's batch layout (a TensorDict of [B, ...]).
+
+    widths (P, R): pad to these instead of the longest prompt and response (they must be at least those).
+    """
+    B, (P, R) = len(responses), widths or (max(map(len, prompts)), max(1, max(map(len, responses))))
     prompt_ids = torch.full((B, P), pad_id)  # [B, P]
     response_ids = torch.full((B, R), pad_id)  # [B, R]
     prompt_mask = torch.zeros(B, P, dtype=torch.long)
@@ -230,12 +260,22 @@ def pad_batch(prompts: list[list[int]], responses: list[list[int]], rollout_logp
     )
 
 
-def response_log_probs(model, batch: TensorDict, temperature: float, with_entropy: bool = False):
-    """Log-prob [B, R] (and entropy [B, R]) of each response token under model, at the sampling temperature."""
+def response_log_probs(model, batch: TensorDict, temperature: float, with_entropy: bool = False,
+                       remove_padding: bool = False):
+    """Log-prob [B, R] (and entropy [B, R]) of each response token under model, at the sampling temperature.
+
+    remove_padding: the batch runs as one packed row (batching.pack); use_cache=False, or no packing is detected.
+    """
     R = batch["responses"].shape[1]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False).logits  # [B, P + R, V]
-    logits = logits[:, -R - 1 : -1].float() / temperature  # [B, R, V]: position t predicts token t + 1
+    if remove_padding:
+        packed = pack(batch["input_ids"], batch["attention_mask"])  # [1, N]
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]  # [N, V]
+        logits = unpack(logits, packed.where[:, -R - 1 : -1])  # [B, R, V]: the positions that predict the response
+    else:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], use_cache=False).logits  # [B, P + R, V]
+        logits = logits[:, -R - 1 : -1]  # [B, R, V]: position t predicts token t + 1
+    logits = logits.float() / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)  # [B, R]
     return (logp, entropy_from_logits(logits)) if with_entropy else (logp, None)
 
@@ -254,6 +294,10 @@ class ActorWorker:
                                     tokenizer=self.tokenizer,
                                     max_model_len=cfg.max_prompt_length + cfg.max_response_length, seed=cfg.seed,
                                     dtype=cfg.fsdp.param_dtype)  # the engine computes in the trainer's dtype
+        self.remove_padding = cfg.use_remove_padding and packing_works(self.model)
+        if cfg.use_remove_padding and not self.remove_padding and dist.is_main:
+            print(f"use_remove_padding: the {self.model.config._attn_implementation} attention lets packed sequences "
+                  "see each other (batching.packing_works); running padded micro-batches instead")
 
     def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> TensorDict:
         """n responses per prompt (prompt-major: rows i*n .. i*n+n-1 share prompt i) -> batch."""
@@ -262,15 +306,32 @@ class ActorWorker:
                                     temperature=0.0 if greedy else self.cfg.temperature,
                                     top_p=self.cfg.top_p, seeds=seeds)
         repeated = [p for p in prompts for _ in range(n)]
-        return pad_batch(repeated, out.responses, out.log_probs, self.tokenizer.pad_token_id)
+        widths = max(map(len, prompts)), max(1, max(map(len, out.responses)))
+        if not greedy and self.cfg.balance_batch:  # balance() all-gathers the rows: the same widths on every rank
+            agreed = reduce_metrics({"P/max": widths[0], "R/max": widths[1]}, self.dist)
+            widths = int(agreed["P/max"]), int(agreed["R/max"])
+        return pad_batch(repeated, out.responses, out.log_probs, self.tokenizer.pad_token_id, widths)
+
+    def balance(self, batch: TensorDict) -> tuple[TensorDict, dict]:
+        """Re-deal whole prompt groups across the dp ranks by workload; returns this rank's batch and metrics."""
+        seqlens = batch["attention_mask"].sum(-1)  # [B]
+        work = seqlens if self.cfg.balance_by == "tokens" else flops_workload(seqlens, self.model.config.hidden_size)
+        return balance_ranks(batch, seqlens, work, self.dist, unit=self.cfg.rollout_n)
+
+    def micro_batch_parts(self, batch: TensorDict, max_tokens: int | None) -> list[list[int]]:
+        """Row indices of batch's micro-batches: within max_tokens (use_dynamic_bsz), else ppo_micro_batch_size rows."""
+        if self.cfg.use_dynamic_bsz:
+            return micro_batches(batch["attention_mask"].sum(-1), max_tokens, self.dist)
+        B, size = batch.batch_size[0], self.cfg.ppo_micro_batch_size
+        return [list(range(i, min(i + size, B))) for i in range(0, B, size)]
 
     @torch.no_grad()
     def log_probs(self, batch: TensorDict, ref: bool = False) -> torch.Tensor:
         """Sampled-token log-probs [B, R] under the current policy (or the frozen reference)."""
         model = self.ref if ref else self.model
-        parts = [response_log_probs(model, mb, self.cfg.temperature)[0]
-                 for mb in batch.split(self.cfg.ppo_micro_batch_size)]
-        return torch.cat(parts)
+        parts = self.micro_batch_parts(batch, self.cfg.log_prob_max_token_len_per_gpu)
+        return map_micro_batches(lambda mb: response_log_probs(model, mb, self.cfg.temperature,
+                                                               remove_padding=self.remove_padding)[0], batch, parts)
 
     def update(self, batch: TensorDict) -> dict:
         """PPO epochs over mini-batches; each mini-batch is one optimizer step over its micro-batches."""
@@ -285,8 +346,10 @@ class ActorWorker:
                                        self.dist, sum_keys=("tokens", "seqs"))
                 counts = dict(n_tokens=total["tokens"] / self.dist.dp_size, n_seqs=total["seqs"] / self.dist.dp_size,
                               norm_len=cfg.max_response_length)
-                step = {}
-                for micro in mb.split(cfg.ppo_micro_batch_size):
+                parts = self.micro_batch_parts(mb, cfg.ppo_max_token_len_per_gpu)  # the same count on every rank
+                step = {"actor/num_micro_batches": len(parts)}
+                for part in parts:
+                    micro = mb[torch.tensor(part)]
                     loss, metrics = self.micro_batch_loss(micro, counts)
                     loss.backward()
                     share = micro.batch_size[0] / mb.batch_size[0]
@@ -302,12 +365,15 @@ class ActorWorker:
         out = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
         out["actor/skipped_steps"] *= len(per_step)  # a count, not a mean
         out["actor/lr"] = self.opt.param_groups[0]["lr"]
+        seqlens = batch["attention_mask"].sum(-1)  # [B]
+        out["actor/over_budget_seqs"] = float((seqlens > cfg.ppo_max_token_len_per_gpu).sum()) if cfg.use_dynamic_bsz else 0.0
         return out
 
     def micro_batch_loss(self, micro: TensorDict, counts: dict) -> tuple[torch.Tensor, dict]:
         """Policy loss - entropy bonus (+ KL loss) of one micro-batch, scaled by its mini-batch's counts."""
         cfg, mask = self.cfg, micro["response_mask"]
-        logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True)  # [b, R] each
+        logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True,
+                                           remove_padding=self.remove_padding)  # [b, R] each
         pg_loss, metrics = policy_loss(logp, micro["old_log_probs"], micro["advantages"], mask, cfg.clip_ratio_low,
                                        cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, **counts)
         ent = agg_loss(entropy, mask, cfg.loss_agg_mode, **counts)
@@ -471,12 +537,21 @@ def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
             # ==================== 1. generate: n responses per prompt ====================
             with timer("gen", metrics):
                 batch = worker.generate([r["prompt_ids"] for r in rows], [sample_seed(cfg, step, r["index"]) for r in rows])
-            batch["group"] = torch.arange(len(rows)).repeat_interleave(cfg.rollout_n)  # [B]: a prompt's n samples stay together
             rows = [r for r in rows for _ in range(cfg.rollout_n)]
 
             # ==================== 2. reward: the task's verifier ====================
             with timer("reward", metrics):
                 batch["scores"] = score(batch, rows, worker.tokenizer, reward_fn)  # [B]
+
+            # ==================== 2b. balance the dp ranks' work (batching.py) ====================
+            # Whole prompt groups move, before the log-prob passes: all three passes (old, ref, update) get even
+            # work, and advantages stay a rank-local computation over whole groups (verl moves single sequences
+            # because its driver computes advantages over the whole batch).
+            if cfg.balance_batch:
+                with timer("balance", metrics):
+                    batch, balance_metrics = worker.balance(batch)
+                metrics.update(balance_metrics)
+            batch["group"] = torch.arange(per_rank).repeat_interleave(cfg.rollout_n)  # [B]: a prompt's n samples
 
             # ==================== 3. old (and reference) log-probs ====================
             with timer("old_log_prob", metrics):
@@ -500,7 +575,8 @@ def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
         # ==================== 7. metrics, evaluation, checkpoint ====================
         metrics.update(batch_metrics(batch, cfg.max_response_length))
         metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]  # per rank
-        metrics = {**reduce_metrics(metrics, dist), "step": step}  # mean over ranks; /max, /min keys by max, min
+        # mean over ranks; /max, /min keys by max, min; counts by sum
+        metrics = {**reduce_metrics(metrics, dist, sum_keys=("actor/over_budget_seqs",)), "step": step}
         if step % cfg.eval_every == 0 or step == cfg.total_steps:
             with timer("testing", metrics):
                 metrics.update(evaluate(worker, val_rows, reward_fn))

@@ -1,0 +1,218 @@
+"""Dynamic batching: balanced DP ranks, token-budget micro-batches, remove-padding (packing) and its inverse.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_batching.py -q     # packed == padded, gradients, budgets, balance
+    OMP_NUM_THREADS=1 python bench/batching.py                       # padding and update time: fixed vs dynamic
+    python grpo.py --use-dynamic-bsz --use-remove-padding --ppo-max-token-len-per-gpu 4096
+
+This file splits, packs, unpacks and balances; it knows nothing about RL. The API (every function that takes
+`dist` is a collective: call it on every dp rank, in the same order):
+
+    parts = karmarkar_karp(workloads, k, equal_size=True)      # k lists of indices with similar workload sums
+    batch, metrics = balance_ranks(batch, seqlens, workloads, dist, unit=n)   # rows re-dealt across dp ranks
+    parts, n_over = micro_batches(seqlens, max_tokens, dist)   # index lists, <= max_tokens each, same count on all ranks
+    out = map_micro_batches(fn, batch, parts)                   # fn on each micro-batch, rows back in batch order
+    packed = pack(input_ids, attention_mask)                    # [b, T] -> one row [1, N], position_ids restart
+    values = unpack(per_token, packed.where[:, -R - 1 : -1])    # [N, ...] -> [b, R, ...], 0 at padding
+    packing_works(model)                                        # does the attention keep packed sequences apart?
+
+A sequence's tokens are its real (unpadded) tokens: the budget counts what a packed micro-batch computes.
+"""
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as tdist
+from tensordict import TensorDict
+
+from comm import Dist, reduce_metrics
+
+# ---------------------------------------------------------------------------------------------------
+# Partitioning: Karmarkar-Karp and workloads
+# ---------------------------------------------------------------------------------------------------
+
+
+def karmarkar_karp(workloads: list[float], k: int, equal_size: bool) -> list[list[int]]:
+    """Indices of workloads in k parts whose sums are close (equal_size: every part gets len/k items).
+
+    Karmarkar & Karp 1982, "largest differencing method", k-way form (as in verl's get_seqlen_balanced_partitions):
+    every state is k parts; repeatedly take the two states with the largest spread (max sum - min sum) and merge
+    them, the heaviest part of one with the lightest of the other, so their differences cancel.
+    """
+    if equal_size and len(workloads) % k:
+        raise ValueError(f"{len(workloads)} items cannot go to {k} parts of equal size")
+    order = sorted(range(len(workloads)), key=lambda i: workloads[i])
+    # equal size: states of k consecutive items (in sorted order), one per part; merges keep the counts equal.
+    # otherwise: one state per item, the item in one part and k - 1 empty parts.
+    seeds = [order[i : i + k] for i in range(0, len(order), k)] if equal_size else [[i] for i in order]
+    heap = []
+    for tie, items in enumerate(seeds):
+        parts = [(workloads[i], [i]) for i in items] + [(0.0, []) for _ in range(k - len(items))]
+        parts.sort(key=lambda p: -p[0])
+        heap.append((-(parts[0][0] - parts[-1][0]), tie, parts))  # heapq is a min-heap: negated spread
+    heapq.heapify(heap)
+    tie = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        # a is sorted heaviest first, b lightest first (reversed): pair them up
+        merged = sorted(((wa + wb, ia + ib) for (wa, ia), (wb, ib) in zip(a, reversed(b))), key=lambda p: -p[0])
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
+        tie += 1
+    return [sorted(items) for _, items in heap[0][2]] if heap else [[] for _ in range(k)]
+
+
+def flops_workload(seqlens: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """A sequence's forward FLOPs up to a constant factor, from its length [B] -> [B].
+
+    A dense decoder layer spends ~24 h^2 FLOPs per token in its matmuls (12 h^2 parameters, 2 FLOPs each,
+    Kaplan et al. 2020) and ~2 h L per token in causal attention (QK^T and AV over L/2 keys on average):
+    per sequence 24 h^2 L + 2 h L^2, i.e. proportional to L (12 h + L).
+    """
+    L = seqlens.double()
+    return L * (12 * hidden_size + L)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Balanced DP ranks
+# ---------------------------------------------------------------------------------------------------
+
+
+def _all_gather(t: torch.Tensor, dist: Dist) -> torch.Tensor:
+    """Every dp rank's t, stacked along dim 0 in rank order; t must have the same shape on every rank."""
+    out = [torch.empty_like(t) for _ in range(dist.dp_size)]
+    tdist.all_gather(out, t.contiguous(), group=dist.mesh["dp"].get_group())
+    return torch.cat(out)
+
+
+def _spread(prefix: str, sums: list[float]) -> dict:
+    return {f"global_seqlen/{prefix}min": min(sums), f"global_seqlen/{prefix}max": max(sums),
+            f"global_seqlen/{prefix}minmax_diff": max(sums) - min(sums)}
+
+
+def balance_ranks(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Tensor, dist: Dist,
+                  unit: int = 1) -> tuple[TensorDict, dict]:
+    """Re-deal the rows of all dp ranks so that every rank gets the same number of rows and similar work.
+
+    batch holds this rank's rows (the same shapes on every rank); seqlens [B] and workloads [B] are per row.
+    Rows move in units of `unit` consecutive rows (e.g. a prompt's n samples stay together and in order).
+    Returns this rank's new rows, in their global order, and verl's global_seqlen metrics (tokens per rank)
+    of the contiguous split (what the ranks held) and of the balanced one. One process: the batch as it is.
+    """
+    B = batch.batch_size[0]
+    if B % unit:
+        raise ValueError(f"{B} rows do not split into units of {unit}")
+    if dist.mesh is None:
+        total = seqlens.sum().item()
+        return batch, {**_spread("", [total]), **_spread("balanced_", [total])}
+    unit_work = _all_gather(workloads.double().view(-1, unit).sum(-1), dist)  # [dp * B / unit], rank-major
+    unit_len = _all_gather(seqlens.double().view(-1, unit).sum(-1), dist)  # [dp * B / unit]
+    parts = karmarkar_karp(unit_work.tolist(), dist.dp_size, equal_size=True)
+    before = unit_len.view(dist.dp_size, -1).sum(-1).tolist()  # the contiguous split: what each rank held
+    after = [unit_len[p].sum().item() for p in parts]
+    mine = torch.tensor(parts[dist.dp_rank])  # [B / unit], sorted
+    rows = (mine[:, None] * unit + torch.arange(unit)).flatten()  # [B]
+    everyone = TensorDict({k: _all_gather(batch[k], dist) for k in sorted(batch.keys())}, batch_size=[B * dist.dp_size])
+    return everyone[rows], {**_spread("", before), **_spread("balanced_", after)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Token-budget micro-batches
+# ---------------------------------------------------------------------------------------------------
+
+
+def split_by_tokens(seqlens: list[int], max_tokens: int, min_count: int = 1) -> list[list[int]]:
+    """Index lists (at least min_count of them) whose token sums stay within max_tokens.
+
+    A sequence longer than max_tokens gets a micro-batch of its own. Karmarkar-Karp into k parts, k from the
+    fewest that could hold the tokens upwards, until every part fits: balanced parts, so the dp ranks that run
+    micro-batch i at the same time (FSDP's collectives) wait little for each other.
+    """
+    if not 1 <= min_count <= max(1, len(seqlens)):
+        raise ValueError(f"min_count={min_count} micro-batches for {len(seqlens)} sequences")
+    k = max(min_count, math.ceil(sum(seqlens) / max_tokens))
+    while True:
+        # with k >= len(seqlens) every part holds one sequence, so this ends
+        parts = [p for p in karmarkar_karp(seqlens, min(k, len(seqlens)), equal_size=False) if p]
+        if all(len(p) == 1 or sum(seqlens[i] for i in p) <= max_tokens for p in parts):
+            return parts
+        k += 1
+
+
+def micro_batches(seqlens: torch.Tensor, max_tokens: int, dist: Dist) -> tuple[list[list[int]], int]:
+    """(index lists within max_tokens each, the number of sequences over the budget) for seqlens [B].
+
+    Every dp rank gets the same number of micro-batches (FSDP's all-gathers run once per forward, on every
+    rank): the ranks agree on the largest count, and a rank that needs fewer splits further.
+    """
+    lengths = seqlens.tolist()
+    parts = split_by_tokens(lengths, max_tokens)
+    while True:
+        counts = reduce_metrics({"n/max": len(parts), "n/min": len(parts)}, dist)
+        if counts["n/min"] == counts["n/max"]:
+            return parts, sum(n > max_tokens for n in lengths)
+        parts = split_by_tokens(lengths, max_tokens, min_count=int(counts["n/max"]))
+
+
+def map_micro_batches(fn: Callable[[TensorDict], torch.Tensor], batch: TensorDict,
+                      parts: list[list[int]]) -> torch.Tensor:
+    """fn on each micro-batch batch[part] ([b, ...] out), the results put back in batch's row order: [B, ...]."""
+    rows = torch.tensor([i for p in parts for i in p])  # [B], the order the micro-batches ran in
+    out = torch.cat([fn(batch[torch.tensor(p)]) for p in parts])  # [B, ...] in that order
+    return out[rows.argsort()]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Remove padding: packing and unpacking
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Packed:
+    input_ids: torch.Tensor
+    """[1, N]: the real tokens of every sequence, one sequence after the other."""
+    position_ids: torch.Tensor
+    """[1, N]: 0, 1, ... restarting at each sequence (how transformers tells the sequences apart)."""
+    where: torch.Tensor
+    """[b, T]: the packed position of each padded-layout token, -1 at padding."""
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
+    """Drop the padding of a [b, T] batch: one row of N = attention_mask.sum() tokens."""
+    keep = attention_mask.bool()  # [b, T]
+    where = torch.full_like(input_ids, -1)  # [b, T]
+    where[keep] = torch.arange(int(keep.sum()), device=input_ids.device)
+    position_ids = (attention_mask.cumsum(1) - 1)[keep]  # [N]: a sequence's real tokens count from 0
+    return Packed(input_ids[keep][None], position_ids[None], where)
+
+
+def unpack(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """Per-token outputs of a packed row [N, ...] back to a padded layout [b, t, ...] (zeros at padding).
+
+    where is Packed.where or a slice of it: where[:, -R - 1 : -1] picks the positions that predict the R response
+    tokens, so a model's V-wide logits are gathered for those positions only.
+    """
+    out = x[where.clamp(min=0)]  # [b, t, ...]
+    pad = (where < 0).view(*where.shape, *([1] * (x.dim() - 1)))
+    return out.masked_fill(pad, 0)
+
+
+@torch.no_grad()
+def packing_works(model) -> bool:
+    """True when the model's attention keeps packed sequences apart (a block-diagonal causal mask).
+
+    transformers 5.x builds that mask from position_ids that restart (masking_utils.find_packed_sequence_indices,
+    for sdpa, eager and flex; flash-attention varlen reads cu_seqlens from them) but only with attention_mask=None
+    and no KV cache; a custom attention function may ignore it. Found out, not assumed: a packed row [a, b] and
+    one [a', b] must give the second sequence the very same logits.
+    """
+    g = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
+    a, a2 = torch.randint(0, model.config.vocab_size, (2, 7), generator=g)
+    b = torch.randint(0, model.config.vocab_size, (5,), generator=g)
+    position_ids = torch.cat([torch.arange(7), torch.arange(5)])[None].to(device)  # [1, 12]
+    logits = [model(input_ids=torch.cat([first, b])[None].to(device), position_ids=position_ids,
+                    use_cache=False).logits[0, 7:].float() for first in (a, a2)]  # [5, V] each
+    return (logits[0] - logits[1]).abs().max().item() <= 1e-4 * logits[0].abs().max().clamp(min=1).item()
