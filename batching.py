@@ -9,7 +9,7 @@ This file splits, packs, unpacks and balances; it knows nothing about RL. The AP
 
     parts = karmarkar_karp(workloads, k, equal_size=True)      # k lists of indices with similar workload sums
     batch, metrics = balance_ranks(batch, seqlens, workloads, dist, unit=n)   # rows re-dealt across dp ranks
-    parts, n_over = micro_batches(seqlens, max_tokens, dist)   # index lists, <= max_tokens each, same count on all ranks
+    parts = micro_batches(seqlens, max_tokens, dist)           # index lists, <= max_tokens each, same count on all ranks
     out = map_micro_batches(fn, batch, parts)                   # fn on each micro-batch, rows back in batch order
     packed = pack(input_ids, attention_mask)                    # [b, T] -> one row [1, N], position_ids restart
     values = unpack(per_token, packed.where[:, -R - 1 : -1])    # [N, ...] -> [b, R, ...], 0 at padding
@@ -18,6 +18,7 @@ This file splits, packs, unpacks and balances; it knows nothing about RL. The AP
 A sequence's tokens are its real (unpadded) tokens: the budget counts what a packed micro-batch computes.
 """
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass
@@ -61,7 +62,36 @@ def karmarkar_karp(workloads: list[float], k: int, equal_size: bool) -> list[lis
         merged = sorted(((wa + wb, ia + ib) for (wa, ia), (wb, ib) in zip(a, reversed(b))), key=lambda p: -p[0])
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
         tie += 1
-    return [sorted(items) for _, items in heap[0][2]] if heap else [[] for _ in range(k)]
+    parts = [items for _, items in heap[0][2]] if heap else [[] for _ in range(k)]
+    return [sorted(p) for p in _swap_pass(workloads, parts)]
+
+
+def _swap_pass(workloads: list[float], parts: list[list[int]]) -> list[list[int]]:
+    """Local search after KK: the heaviest and the lightest part trade one item each while that narrows their gap.
+
+    The equal-size KK above can leave one very long sequence's part too heavy (its seeds pair items of similar
+    size); a swap of items h > l moves h - l, and any 0 < h - l < gap lowers the sum of squared part sums, so
+    the pass ends. It keeps every part's count.
+    """
+    while True:
+        sums = [sum(workloads[i] for i in p) for p in parts]
+        hi, lo = max(range(len(parts)), key=sums.__getitem__), min(range(len(parts)), key=sums.__getitem__)
+        gap = sums[hi] - sums[lo]
+        # the best pair moves half the gap: for each h, the l nearest to h - gap / 2 (bisect on sorted l)
+        light = sorted(parts[lo], key=workloads.__getitem__)
+        light_w = [workloads[i] for i in light]
+        best = None
+        for h in parts[hi]:
+            j = bisect.bisect_left(light_w, workloads[h] - gap / 2)
+            for l in light[max(0, j - 1) : j + 1]:
+                moved = workloads[h] - workloads[l]
+                if 0 < moved < gap and (best is None or abs(moved - gap / 2) < abs(best[2] - gap / 2)):
+                    best = (h, l, moved)
+        if best is None:
+            return parts
+        h, l, _ = best
+        parts[hi] = [i for i in parts[hi] if i != h] + [l]
+        parts[lo] = [i for i in parts[lo] if i != l] + [h]
 
 
 def flops_workload(seqlens: torch.Tensor, hidden_size: int) -> torch.Tensor:
@@ -141,8 +171,8 @@ def split_by_tokens(seqlens: list[int], max_tokens: int, min_count: int = 1) -> 
         k += 1
 
 
-def micro_batches(seqlens: torch.Tensor, max_tokens: int, dist: Dist) -> tuple[list[list[int]], int]:
-    """(index lists within max_tokens each, the number of sequences over the budget) for seqlens [B].
+def micro_batches(seqlens: torch.Tensor, max_tokens: int, dist: Dist) -> list[list[int]]:
+    """Index lists of seqlens [B] within max_tokens each (a longer sequence alone), as many on every dp rank.
 
     Every dp rank gets the same number of micro-batches (FSDP's all-gathers run once per forward, on every
     rank): the ranks agree on the largest count, and a rank that needs fewer splits further.
@@ -152,7 +182,7 @@ def micro_batches(seqlens: torch.Tensor, max_tokens: int, dist: Dist) -> tuple[l
     while True:
         counts = reduce_metrics({"n/max": len(parts), "n/min": len(parts)}, dist)
         if counts["n/min"] == counts["n/max"]:
-            return parts, sum(n > max_tokens for n in lengths)
+            return parts
         parts = split_by_tokens(lengths, max_tokens, min_count=int(counts["n/max"]))
 
 

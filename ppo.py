@@ -339,7 +339,7 @@ class ActorWorker:
         for _ in range(cfg.ppo_epochs):
             for mb in batch.split(cfg.ppo_mini_batch_size // self.dist.dp_size * cfg.rollout_n):  # this rank's share
                 # Every micro-batch divides by the mini-batch's counts, so the summed gradients are the
-                # mini-batch's gradient; loss metrics add up the same way, ratios are weighted by share.
+                # mini-batch's gradient; loss metrics add up the same way, token ratios are weighted by token share.
                 # Counts over all dp ranks, times dp_size to undo FSDP's gradient averaging: every rank's
                 # loss is its part of the global mini-batch's loss, whatever its token count.
                 total = reduce_metrics({"tokens": mb["response_mask"].sum().item(), "seqs": mb.batch_size[0]},
@@ -352,7 +352,7 @@ class ActorWorker:
                     micro = mb[torch.tensor(part)]
                     loss, metrics = self.micro_batch_loss(micro, counts)
                     loss.backward()
-                    share = micro.batch_size[0] / mb.batch_size[0]
+                    share = (micro["response_mask"].sum() / mb["response_mask"].sum().clamp(min=1)).item()
                     for k, v in metrics.items():
                         step[k] = step.get(k, 0.0) + (v if k in LOSS_METRICS else v * share)
                 grad_norm = clip_grad_norm(self.model, cfg.grad_clip)  # across shards

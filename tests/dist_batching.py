@@ -1,0 +1,86 @@
+"""The torchrun worker of tests/test_batching.py's 2-rank test, and the batch that both it and the test's
+single-process reference use.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_batching.py -q -k two_ranks      # launches this file
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 tests/dist_batching.py MODEL_DIR OUT_DIR     # by hand
+
+Rank 0 holds the long sequences of the global batch and rank 1 the short ones. Each rank writes OUT_DIR/rank{r}.pt:
+its rows after balancing, the micro-batch counts, and the full gradients of one update with dynamic packed
+micro-batches and with the fixed split.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+import torch  # noqa: E402
+
+from batching import split_by_tokens  # noqa: E402
+from comm import init_distributed, shutdown  # noqa: E402
+from ppo import ActorWorker, Config, pad_batch  # noqa: E402
+
+N_SAMPLES, N_PROMPTS = 2, 4
+BUDGET = 24  # tokens: rank 0's sequences (27-39 tokens) run one by one, rank 1's (6-11) pack two or three at a time
+
+
+def config(model_path: str, **overrides) -> Config:
+    """Both loss terms on (KL, entropy), no clipping of the gradient (it is what the tests compare)."""
+    return Config(**{**dict(model_path=model_path, rollout_backend="hf", rollout_n=N_SAMPLES, train_batch_size=N_PROMPTS,
+                            ppo_mini_batch_size=N_PROMPTS, use_kl_loss=True, entropy_coeff=0.01, grad_clip=1e9,
+                            max_response_length=32), **overrides})
+
+
+def global_batch(vocab_size: int, pad_id: int):
+    """8 rows (4 prompts x 2 samples): the first 4 long, the last 4 short; fixed old/ref log-probs, advantages."""
+    g = torch.Generator().manual_seed(0)
+    prompt_lens, response_lens = [5, 7, 3, 4], [[25, 32], [20, 30], [4, 8], [3, 5]]
+    prompts = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
+    responses = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for group in response_lens for n in group]
+    repeated = [p for p in prompts for _ in range(N_SAMPLES)]
+    batch = pad_batch(repeated, responses, [[0.0] * len(r) for r in responses], pad_id)
+    mask = batch["response_mask"]
+    batch["old_log_probs"] = -torch.rand(mask.shape, generator=g) * 3 * mask  # [B, R]
+    batch["ref_log_probs"] = -torch.rand(mask.shape, generator=g) * 3 * mask  # [B, R]
+    batch["advantages"] = torch.randn(len(responses), 1, generator=g) * mask  # [B, R]
+    batch["row"] = torch.arange(len(responses))  # [B]: which global row, to follow rows through balancing
+    return batch
+
+
+def capture_gradients(worker: ActorWorker) -> list[dict]:
+    """Make worker.opt.step record the full gradients (instead of stepping); returns the list it fills."""
+    grads = []
+
+    def record():
+        grads.append({name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                      for name, p in worker.model.named_parameters()})
+
+    worker.opt.step = record
+    return grads
+
+
+def main(model_dir: str, out_dir: str):
+    dist = init_distributed(timeout_s=120)
+    res = {}
+    for name, overrides in (("dynamic", dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=BUDGET,
+                                             use_remove_padding=True)),
+                            ("fixed", dict(ppo_micro_batch_size=2))):
+        worker = ActorWorker(config(model_dir, **overrides), model_dir, dist)
+        batch = global_batch(worker.model.config.vocab_size, worker.tokenizer.pad_token_id)
+        rows = batch.batch_size[0] // dist.dp_size
+        mine = batch[dist.dp_rank * rows : (dist.dp_rank + 1) * rows]
+        res[f"{name}_log_probs"] = worker.log_probs(mine)
+        grads = capture_gradients(worker)
+        res[f"{name}_metrics"] = worker.update(mine)
+        res[f"{name}_grads"] = grads[0]
+        if name == "dynamic":
+            res["own_count"] = len(split_by_tokens(mine["attention_mask"].sum(-1).tolist(), BUDGET))
+            balanced, res["balance_metrics"] = worker.balance(mine)
+            res["balanced_rows"] = balanced["row"]
+            res["balanced_tokens"] = balanced["attention_mask"].sum().item()
+    torch.save(res, os.path.join(out_dir, f"rank{dist.rank}.pt"))
+    shutdown(dist)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
