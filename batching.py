@@ -12,7 +12,8 @@ This file splits, packs, unpacks and balances; it knows nothing about RL. The AP
     parts = micro_batches(seqlens, max_tokens, dist)           # index lists, <= max_tokens each, same count on all ranks
     out = map_micro_batches(fn, batch, parts)                   # fn on each micro-batch, rows back in batch order
     packed = pack(input_ids, attention_mask)                    # [b, T] -> one row [1, N], position_ids restart
-    values = unpack(per_token, packed.where[:, -R - 1 : -1])    # [N, ...] -> [b, R, ...], 0 at padding
+    keep = packed.where[:, -R - 1 : -1] >= 0                    # [b, R]: the positions that predict the response
+    values = unpack(per_token[packed.where[keep]], keep)        # [N, ...] -> [b, R, ...], 0 at padding
     packing_works(model)                                        # does the attention keep packed sequences apart?
 
 A sequence's tokens are its real (unpadded) tokens: the budget counts what a packed micro-batch computes.
@@ -218,15 +219,15 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     return Packed(input_ids[keep][None], position_ids[None], where)
 
 
-def unpack(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """Per-token outputs of a packed row [N, ...] back to a padded layout [b, t, ...] (zeros at padding).
+def unpack(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Per-token outputs [n, ...] of the positions where keep [b, t] is True back to a padded [b, t, ...] (0 elsewhere).
 
-    where is Packed.where or a slice of it: where[:, -R - 1 : -1] picks the positions that predict the R response
-    tokens, so a model's V-wide logits are gathered for those positions only.
+    The caller picks the packed rows first, x = out[packed.where[keep]], e.g. keep = the positions that predict a
+    response token (packed.where[:, -R - 1 : -1] >= 0): a model's V-wide logits are computed on for those only.
     """
-    out = x[where.clamp(min=0)]  # [b, t, ...]
-    pad = (where < 0).view(*where.shape, *([1] * (x.dim() - 1)))
-    return out.masked_fill(pad, 0)
+    out = x.new_zeros(*keep.shape, *x.shape[1:])  # [b, t, ...]
+    out[keep] = x
+    return out
 
 
 @torch.no_grad()

@@ -266,18 +266,23 @@ def response_log_probs(model, batch: TensorDict, temperature: float, with_entrop
 
     remove_padding: the batch runs as one packed row (batching.pack); use_cache=False, or no packing is detected.
     """
-    R = batch["responses"].shape[1]
+    R, targets = batch["responses"].shape[1], batch["responses"]  # [B, R]
     if remove_padding:
         packed = pack(batch["input_ids"], batch["attention_mask"])  # [1, N]
         logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]  # [N, V]
-        logits = unpack(logits, packed.where[:, -R - 1 : -1])  # [B, R, V]: the positions that predict the response
+        where = packed.where[:, -R - 1 : -1]  # [B, R]: the packed positions that predict the response tokens
+        keep = (where >= 0) & batch["response_mask"].bool()  # [B, R]
+        logits, targets = logits[where[keep]], targets[keep]  # [n, V], [n]: never a [B, R, V] tensor
     else:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        position_ids=batch["position_ids"], use_cache=False).logits  # [B, P + R, V]
         logits = logits[:, -R - 1 : -1]  # [B, R, V]: position t predicts token t + 1
     logits = logits.float() / temperature
-    logp = torch.log_softmax(logits, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)  # [B, R]
-    return (logp, entropy_from_logits(logits)) if with_entropy else (logp, None)
+    logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, R] or [n]
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    if remove_padding:  # back to [B, R], 0 at padding
+        logp, entropy = unpack(logp, keep), entropy if entropy is None else unpack(entropy, keep)
+    return logp, entropy
 
 
 class ActorWorker:
