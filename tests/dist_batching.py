@@ -38,12 +38,17 @@ def global_batch(vocab_size: int, pad_id: int):
     prompts = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
     responses = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for group in response_lens for n in group]
     repeated = [p for p in prompts for _ in range(N_SAMPLES)]
-    batch = pad_batch(repeated, responses, [[0.0] * len(r) for r in responses], pad_id)
-    mask = batch["response_mask"]
+    batch = with_rl_fields(pad_batch(repeated, responses, [[0.0] * len(r) for r in responses], pad_id), g)
+    batch["row"] = torch.arange(len(responses))  # [B]: which global row, to follow rows through balancing
+    return batch
+
+
+def with_rl_fields(batch, g: torch.Generator):
+    """Fixed old and reference log-probs and per-sequence advantages: the update's inputs, independent of a model."""
+    mask = batch["response_mask"]  # [B, R]
     batch["old_log_probs"] = -torch.rand(mask.shape, generator=g) * 3 * mask  # [B, R]
     batch["ref_log_probs"] = -torch.rand(mask.shape, generator=g) * 3 * mask  # [B, R]
-    batch["advantages"] = torch.randn(len(responses), 1, generator=g) * mask  # [B, R]
-    batch["row"] = torch.arange(len(responses))  # [B]: which global row, to follow rows through balancing
+    batch["advantages"] = torch.randn(mask.shape[0], 1, generator=g) * mask  # [B, R]
     return batch
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from dist_batching import capture_gradients, config, global_batch
+from dist_batching import capture_gradients, config, global_batch, with_rl_fields
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -75,12 +75,7 @@ def test_remove_padding_falls_back_with_a_message(model_path, monkeypatch, capsy
 def rl_batch(worker: ActorWorker):
     """A ragged batch with fixed old/ref log-probs and advantages (3 groups of 2: any values will do here)."""
     batch = ragged_batch(worker.model.config.vocab_size, worker.tokenizer.pad_token_id, seed=1)
-    g = torch.Generator().manual_seed(1)
-    mask = batch["response_mask"]
-    batch["old_log_probs"] = -torch.rand(mask.shape, generator=g) * 3 * mask
-    batch["ref_log_probs"] = -torch.rand(mask.shape, generator=g) * 3 * mask
-    batch["advantages"] = torch.randn(mask.shape[0], 1, generator=g) * mask
-    return batch
+    return with_rl_fields(batch, torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("remove_padding", [False, True])
