@@ -112,10 +112,13 @@ def flops_workload(seqlens: torch.Tensor, hidden_size: int) -> torch.Tensor:
 
 
 def _all_gather(t: torch.Tensor, dist: Dist) -> torch.Tensor:
-    """Every dp rank's t, stacked along dim 0 in rank order; t must have the same shape on every rank."""
-    out = [torch.empty_like(t) for _ in range(dist.dp_size)]
-    tdist.all_gather(out, t.contiguous(), group=dist.mesh["dp"].get_group())
-    return torch.cat(out)
+    """Every dp rank's t, stacked along dim 0 in rank order; t must have the same shape on every rank.
+
+    Sent from dist.device (NCCL moves only GPU tensors) and returned where t was.
+    """
+    out = [torch.empty_like(t, device=dist.device) for _ in range(dist.dp_size)]
+    tdist.all_gather(out, t.to(dist.device).contiguous(), group=dist.mesh["dp"].get_group())
+    return torch.cat(out).to(t.device)
 
 
 def _spread(prefix: str, sums: list[float]) -> dict:
