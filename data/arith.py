@@ -38,6 +38,12 @@ class ArithConfig:
     """Numbers per expression (2: "12+34"; 3: "1+2*3", with the usual precedence of *)."""
     seed: int = 0
     """Base seed; train and val draw from different seeds derived from it."""
+    pad_operands: bool = True
+    """Write operands zero-padded to `digits` ("07+45="): every digit sits at a fixed offset from the "=",
+    which a tiny model learns several times faster than the ragged layout ("7+45=")."""
+    teacher_slip: float = 0.0
+    """The SFT teacher's habit: in a sum, it forgets each carry with this chance (58+67 -> 15 when it
+    forgets both). It is right on other operators and when slip is 0. RL rewards always use the true answer."""
 
     def __post_init__(self):
         if not self.ops or set(self.ops) - set(_OPS):
@@ -46,6 +52,8 @@ class ArithConfig:
             raise ValueError(f"digits={self.digits}: must be >= 1")
         if self.operands < 2:
             raise ValueError(f"operands={self.operands}: must be >= 2")
+        if not 0.0 <= self.teacher_slip <= 1.0:
+            raise ValueError(f"teacher_slip={self.teacher_slip}: must be in [0, 1]")
         if self.n_train < 1 or self.n_val < 1:
             raise ValueError(f"n_train={self.n_train}, n_val={self.n_val}: both must be >= 1")
         # train skips every val expression, so at least one expression must be left for it
@@ -59,17 +67,39 @@ def num_expressions(cfg: ArithConfig) -> int:
 
 
 def make_problems(cfg: ArithConfig, n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[dict]:
-    """Draw n problems {"expression", "answer"}, deterministic by seed, skipping expressions in exclude."""
-    rng = random.Random(seed)
+    """Draw n problems {"expression", "answer", "teacher_answer"}, deterministic by seed, skipping exclude."""
+    rng, teacher_rng = random.Random(seed), random.Random(f"teacher-{seed}")  # the teacher never shifts problems
     ops = sorted(set(cfg.ops))
     problems = []
     while len(problems) < n:
         numbers = [rng.randrange(10**cfg.digits) for _ in range(cfg.operands)]
         signs = [rng.choice(ops) for _ in range(cfg.operands - 1)]
-        expression = "".join(f"{op}{x}" for op, x in zip([""] + signs, numbers))
+        width = cfg.digits if cfg.pad_operands else 1
+        expression = "".join(f"{op}{x:0{width}d}" for op, x in zip([""] + signs, numbers))
         if expression not in exclude:
-            problems.append({"expression": expression, "answer": str(evaluate(numbers, signs))})
+            value = evaluate(numbers, signs)
+            taught = teacher_sum(numbers, cfg.teacher_slip, teacher_rng) if set(signs) == {"+"} else value
+            problems.append({"expression": expression, "answer": str(value), "teacher_answer": str(taught)})
     return problems
+
+
+def teacher_sum(numbers: list[int], slip: float, rng: random.Random) -> int:
+    """A sloppy teacher's column addition: each carry is forgotten with chance slip.
+
+    Its mistakes are systematic, so a model trained on them answers right where nothing carries and
+    samples the right answer elsewhere only sometimes: a behaviour that RL can select, as RL on an LLM
+    sharpens what the base model already does now and then.
+    """
+    digits, carry = [], 0
+    while any(numbers) or carry:
+        if carry and rng.random() < slip:
+            carry = 0
+            if not any(numbers):  # a forgotten final carry loses the leading digit
+                break
+        column = sum(x % 10 for x in numbers) + carry
+        digits.append(column % 10)
+        carry, numbers = column // 10, [x // 10 for x in numbers]
+    return int("".join(map(str, reversed(digits))) or "0")
 
 
 def evaluate(numbers: list[int], signs: list[str]) -> int:
@@ -111,8 +141,8 @@ def make_splits(cfg: ArithConfig) -> tuple[list[dict], list[dict]]:
 
 
 def sft_response(row: dict) -> str:
-    """The target response for a supervised warm start: just the answer."""
-    return row["reward_model"]["ground_truth"]
+    """The target response for a supervised warm start: the teacher's answer (see teacher_answer)."""
+    return row["extra_info"]["teacher_answer"]
 
 
 def _write_atomic(rows: list[dict], path: str) -> None:
