@@ -79,12 +79,18 @@ def _set_trainable(model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
     return model.train(trainable)
 
 
+def decoder_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of the model's decoder layers: its _no_split_modules classes. fully_shard swaps a module's
+    class for a subclass (FSDPQwen2DecoderLayer), hence the look through the class's bases."""
+    classes = set(model._no_split_modules or ())
+    return [(name, m) for name, m in model.named_modules() if any(c.__name__ in classes for c in type(m).__mro__)]
+
+
 def _shard(model: torch.nn.Module, dist: Dist, cfg: FSDPConfig) -> None:
     """fully_shard every decoder layer, then the root (which takes the remaining parameters)."""
-    layer_classes = set(model._no_split_modules or ())
-    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    layers = [m for _, m in decoder_layers(model)]
     if not layers:
-        raise ValueError(f"{type(model).__name__}: no module of a _no_split_modules class {layer_classes}")
+        raise ValueError(f"{type(model).__name__}: no module of a _no_split_modules class {model._no_split_modules}")
     kwargs = dict(
         mesh=dist.mesh["dp"], reshard_after_forward=cfg.reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]),
@@ -176,8 +182,7 @@ def weight_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.Tensor]]
     tensor. vLLM fuses q/k/v and gate/up inside a layer, and its loader rebuilds a fused module from the weights
     of one load call only (the parts left out become garbage), so a layer must reach it whole.
     """
-    layer_classes = set(model._no_split_modules or ())
-    layers = [name + "." for name, m in model.named_modules() if type(m).__name__ in layer_classes]
+    layers = [name + "." for name, _ in decoder_layers(model)]
     seen, groups, current = set(), [], None
     for name, tensor in model.state_dict(keep_vars=True).items():  # parameters + persistent buffers, in order
         if id(tensor) in seen:  # lm_head.weight is embed_tokens.weight in a tied model
