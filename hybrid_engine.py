@@ -89,7 +89,7 @@ class HybridEngine:
     @contextmanager
     def rollout_mode(self, metrics: dict):
         """Train mode -> rollout mode for the block (weights synced into the engine) -> train mode."""
-        at_entry = self._reset_peak_memory()
+        at_entry = reset_peak_memory(self.dist.device)
         try:
             with timer("reshard", metrics):
                 self._offload_training_state()
@@ -98,7 +98,7 @@ class HybridEngine:
                 received = {}
                 metrics["reshard/bytes"], metrics["reshard/buckets"] = self._stream(received)
                 self.rollout.wake_up(tags=["kv_cache"])
-            peak = self._peak_memory()
+            peak = peak_memory(self.dist.device)
             metrics["perf/max_memory_allocated_gb" if self.on_gpu else "perf/max_memory_rss_gb"] = peak / GB
             metrics["reshard/max_memory_extra_gb"] = (peak - at_entry) / GB
             if self.cfg.verify_sync:
@@ -190,18 +190,6 @@ class HybridEngine:
         if self.cfg.offload_params:
             self.model.to(self.dist.device)
 
-    def _reset_peak_memory(self) -> int:
-        """Start a new high-water mark; returns the memory in use now (bytes)."""
-        if self.on_gpu:
-            torch.cuda.reset_peak_memory_stats()
-            return torch.cuda.memory_allocated()
-        with open("/proc/self/clear_refs", "w") as f:  # Linux: "5" resets the process's peak RSS (VmHWM)
-            f.write("5")
-        return _proc_status("VmRSS")
-
-    def _peak_memory(self) -> int:
-        return torch.cuda.max_memory_allocated() if self.on_gpu else _proc_status("VmHWM")
-
 
 def checksum(flat: torch.Tensor, start: int) -> torch.Tensor:
     """An int64 fingerprint of the bytes of `flat`, elements start.. of a flattened full tensor: the sum of
@@ -225,6 +213,21 @@ def _shard_offset(tensor: DTensor) -> int:
     rows, ranks = tensor.shape[0], tensor.device_mesh.size()
     first_row = min(tensor.device_mesh.get_local_rank() * math.ceil(rows / ranks), rows)
     return first_row * (tensor.numel() // max(rows, 1))
+
+
+def reset_peak_memory(device: torch.device) -> int:
+    """Start a new high-water mark of this process's memory; returns the memory in use now (bytes)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: "5" resets the process's peak RSS (VmHWM)
+        f.write("5")
+    return _proc_status("VmRSS")
+
+
+def peak_memory(device: torch.device) -> int:
+    """The high-water mark since reset_peak_memory (bytes): allocated device memory on GPU, RSS on CPU."""
+    return torch.cuda.max_memory_allocated() if device.type == "cuda" else _proc_status("VmHWM")
 
 
 def _proc_status(key: str) -> int:
