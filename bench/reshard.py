@@ -11,7 +11,9 @@ untimed round, `repeats` rounds of each way of putting the trainer's weights int
 - hybrid/layer: the same with 1-byte buckets: one decoder layer (or other tensor) per engine call
 - naive:        rank 0 gathers the full state dict and save_pretrained's it (sharding.export_hf), then every
                 engine reloads from that folder (vLLM's reload_weights(weights_path=...))
-- floor:        one all_gather_into_tensor of the same bytes, no engine: the communication alone
+- gather:       the hybrid engine's own gathers (sharding.full_weights, 512 MB buckets), no engine: its
+                communication alone
+- floor:        one all_gather_into_tensor of the same bytes, no engine
 Per rank: seconds per sync, and peak extra memory during it (the process's peak RSS after a reset, minus its RSS
 before: hybrid_engine.reset_peak_memory / peak_memory). The tables show the slower / larger rank.
 """
@@ -36,7 +38,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from comm import barrier, broadcast_object, init_distributed  # noqa: E402
 from hybrid_engine import MB, HybridConfig, HybridEngine, peak_memory, reset_peak_memory  # noqa: E402
 from rollout import VLLMRollout  # noqa: E402
-from sharding import export_hf, load_sharded_model  # noqa: E402
+from sharding import export_hf, full_weights, load_sharded_model  # noqa: E402
 
 # name: (hidden, layers, intermediate); head size 64, 4 query heads per KV head
 SIZES = {"10m": (256, 4, 704), "100m": (768, 12, 2048), "300m": (1024, 24, 2816)}
@@ -98,9 +100,13 @@ def worker(cfg: BenchConfig) -> None:
     def floor():  # the output buffer is allocated inside: it is the floor's extra memory
         tdist.all_gather_into_tensor(torch.empty(shard.numel() * dist.world_size), shard)
 
+    def gather():
+        for bucket in full_weights(model, int(cfg.bucket_mb * MB), torch.float32):
+            del bucket
+
     mine = {"params": n}
     for name, fn in (("hybrid", hybrid_sync(cfg.bucket_mb)), ("hybrid/layer", hybrid_sync(1 / MB)), ("naive", naive),
-                     ("floor", floor)):
+                     ("gather", gather), ("floor", floor)):
         mine[name] = measure(fn, dist.device, cfg.repeats)
     everyone = [broadcast_object(mine, dist, src=r) for r in range(dist.world_size)]
     if dist.is_main:
@@ -128,7 +134,7 @@ def main(cfg: BenchConfig) -> None:
         for size in cfg.sizes:
             ranks = launch(cfg, size, root)
             worst = {m: {k: max(r[m][k] for r in ranks) for k in ("s", "extra_mb")}
-                     for m in ("hybrid", "hybrid/layer", "naive", "floor")}
+                     for m in ("hybrid", "hybrid/layer", "naive", "gather", "floor")}
             rows.append((size, ranks[0]["params"], worst))
     print(f"\nWeight sync into vLLM, 2 ranks (gloo), fp32, mean of {cfg.repeats} after a warm-up; the slower / larger "
           f"rank. Extra memory: peak RSS during the sync minus RSS before it.")
