@@ -4,11 +4,11 @@
     python grpo.py --help                # every field of Config below
 
 One RL step, as verl (HybridFlow) does it:
-    generate (vLLM, n samples per prompt) -> reward (rule-based verifier) -> old / ref log-probs
-    -> advantages -> actor update on micro-batches -> stream the new weights into the rollout engine
+    rollout mode (stream the new weights into vLLM; generate n samples per prompt) -> reward (rule-based
+    verifier) -> old / ref log-probs -> advantages -> actor update on micro-batches
 The loop is written against a worker with plain methods (generate, log_probs, update) and the hybrid engine's
-mode switch (rollout_mode: the new weights streamed into the engine for generation, hybrid_engine.py),
-so torchrun (every rank runs this loop on its shard) and Ray (a driver calls worker groups) reuse it.
+mode switch (worker.hybrid.rollout_mode, hybrid_engine.py), so torchrun (every rank runs this loop on its
+shard) and Ray (a driver calls worker groups) reuse it.
 Advantage estimators are passed in (grpo.py); this file holds no GRPO specifics.
 """
 
