@@ -10,7 +10,9 @@ untimed round, `repeats` rounds of each way of putting the trainer's weights int
 - hybrid:       HybridEngine.rollout_mode with 512 MB buckets (whole decoder layers, full_tensor() per parameter)
 - hybrid/layer: the same with 1-byte buckets: one decoder layer (or other tensor) per engine call
 - naive:        rank 0 gathers the full state dict and save_pretrained's it (sharding.export_hf), then every
-                engine reloads from that folder (vLLM's reload_weights(weights_path=...))
+                engine reloads from that folder (vLLM's reload_weights(weights_path=...)). On CPU this skips the
+                repacked copy of a tied lm_head (the folder has no lm_head.weight), which then stays stale: the
+                naive times are a lower bound for a correct naive path
 - gather:       the hybrid engine's own gathers (sharding.full_weights, 512 MB buckets), no engine: its
                 communication alone
 - floor:        one all_gather_into_tensor of the same bytes, no engine
