@@ -158,16 +158,22 @@ class HybridEngine:
 
     def _verify(self, expected: dict[str, int], trainer: torch.Tensor, received: dict[str, int]) -> float:
         """(a) What the engine received equals the trainer's weights, parameter by parameter; (b) the engine's
-        teacher-forced log-probs on the probe equal the trainer's. Returns the probe's largest gap.
+        teacher-forced log-probs on the probe equal the trainer's. Returns the probe's largest gap over all ranks.
 
         The engine's weights cannot be read back on CPU (its kernels repack them and leave empty placeholders),
         hence checksums at the hand-over plus a probe of what it computes."""
         bad = sorted(name for name in expected.keys() | received.keys() if expected.get(name) != received.get(name))
-        if bad:
-            raise RuntimeError(f"weight sync: the engine received weights that differ from the trainer's: {bad}")
         engine = torch.tensor(self.rollout.prompt_log_probs(self.probe.tolist()))  # [N, T - 1]
-        gap = (engine - trainer).abs().max().item()
-        if not gap <= self.cfg.verify_tol:  # also catches NaN
+        gap = (engine - trainer).abs().max().nan_to_num(nan=math.inf)
+        # the worst over ranks, so that every rank raises, rather than the others waiting in the next collective
+        worst = torch.stack([torch.tensor(float(len(bad))), gap]).to(self.dist.device)  # [2]
+        if self.dist.mesh is not None:
+            tdist.all_reduce(worst, op=tdist.ReduceOp.MAX)
+        n_bad, gap = worst.tolist()
+        if n_bad:
+            raise RuntimeError(f"weight sync: the engine received weights that differ from the trainer's: "
+                               f"{bad or 'on another rank'}")
+        if gap > self.cfg.verify_tol:
             raise RuntimeError(f"weight sync: the engine's probe log-probs differ from the trainer's by {gap:.3g} "
                                f"> verify_tol={self.cfg.verify_tol}")
         return gap

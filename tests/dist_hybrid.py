@@ -6,8 +6,8 @@ rank and model, fp32.
 
 For each model (tied and untied embeddings): AdamW steps, each followed by a verified sync (verify_sync raises on
 any mismatch). On the tied model also: the buckets that 1-byte and 10 GB buckets hand to the engine, and two
-deliberate corruptions, one before the hand-over (checksums must name it) and one after it (the probe must catch
-it). Each rank writes what it saw to OUT_DIR/rank{r}.pt.
+deliberate corruptions on one rank, one before the hand-over (checksums must name it) and one after it (the probe
+must catch it); both ranks must raise. Each rank writes what it saw to OUT_DIR/rank{r}.pt.
 """
 
 import os
@@ -88,15 +88,17 @@ def main(tied_dir: str, untied_dir: str, out_dir: str):
         del buckets[:]
         res["tied"][size] = {"metrics": sync(hybrid), "buckets": [list(b) for b in buckets]}
 
-    # Corrupted before the hand-over: the checksums must name the parameter.
+    # Corrupted before the hand-over, on rank 1 only: its checksums must name the parameter, and rank 0 raise too.
     clean = hybrid_engine.full_weights
-    hybrid_engine.full_weights = lambda *args: ([(n, one_element_off(t) if n == CORRUPT else t) for n, t in bucket]
-                                                for bucket in clean(*args))
+    if dist.rank == 1:
+        hybrid_engine.full_weights = lambda *args: ([(n, one_element_off(t) if n == CORRUPT else t) for n, t in b]
+                                                    for b in clean(*args))
     res["checksum_error"] = sync_error(hybrid)
     hybrid_engine.full_weights = clean
-    # Corrupted inside the engine's update (after the checksums): only the probe can see it.
+    # Corrupted inside rank 0's engine update (after the checksums): only the probe can see it.
     update = rollout.update_weights
-    rollout.update_weights = lambda weights: update((n, t * 1.5 if n == CORRUPT else t) for n, t in weights)
+    if dist.rank == 0:
+        rollout.update_weights = lambda weights: update((n, t * 1.5 if n == CORRUPT else t) for n, t in weights)
     res["probe_error"] = sync_error(hybrid)
     rollout.update_weights = update
     res["clean_again"] = sync(hybrid)  # a clean sync repairs the engine
