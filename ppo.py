@@ -4,10 +4,11 @@
     python grpo.py --help                # every field of Config below
 
 One RL step, as verl (HybridFlow) does it:
-    generate (vLLM, n samples per prompt) -> reward (rule-based verifier) -> old / ref log-probs
-    -> advantages -> actor update on micro-batches -> stream the new weights into the rollout engine
-The loop is written against a worker with plain methods (generate, log_probs, update, sync_weights),
-so torchrun (every rank runs this loop on its shard) and Ray (a driver calls worker groups) reuse it.
+    rollout mode (stream the new weights into vLLM; generate n samples per prompt) -> reward (rule-based
+    verifier) -> old / ref log-probs -> advantages -> actor update on micro-batches
+The loop is written against a worker with plain methods (generate, log_probs, update) and the hybrid engine's
+mode switch (worker.hybrid.rollout_mode, hybrid_engine.py), so torchrun (every rank runs this loop on its
+shard) and Ray (a driver calls worker groups) reuse it.
 Advantage estimators are passed in (grpo.py); this file holds no GRPO specifics.
 """
 
@@ -25,9 +26,10 @@ from transformers import AutoTokenizer
 from batching import balance_ranks, flops_workload, map_micro_batches, micro_batches, pack, packing_works, unpack
 from comm import Dist, broadcast_object, init_distributed, reduce_metrics, shutdown, timer
 from data import RLDataset, load_reward_fn
+from hybrid_engine import HybridConfig, HybridEngine
 from rollout import make_rollout
-from sharding import FSDPConfig, clip_grad_norm, export_hf, find_latest, full_weights, load_checkpoint, \
-    load_sharded_model, save_checkpoint
+from sharding import DTYPES, FSDPConfig, clip_grad_norm, export_hf, find_latest, load_checkpoint, load_sharded_model, \
+    save_checkpoint
 
 LOSS_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")  # summed over micro-batches
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -83,6 +85,10 @@ class Config:
     """KL estimator: k1, k2 (mse) or k3 (low_var_kl), after Schulman's 'Approximating KL divergence'."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (subtracted from the loss)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (Yao et al. 2025): weight each token's policy-gradient loss by
+    min(exp(old_log_prob - rollout_log_prob), tis_cap), correcting for the engine sampling from slightly other
+    probabilities than the trainer computes (other kernels, dtype); None: off. verl's runs use 2."""
     # ---- optimisation ----
     lr: float = 2e-4
     """Actor AdamW learning rate."""
@@ -119,6 +125,8 @@ class Config:
     """RL steps."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 sharding of actor and reference over the data-parallel ranks (torchrun); unused in one process."""
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
+    """The weight sync into the rollout engine (hybrid_engine.py): bucket size, offload, verification."""
     dist_timeout_s: int = 1800
     """Seconds a collective may wait before the run fails (torchrun only)."""
     # ---- run ----
@@ -157,6 +165,11 @@ class Config:
             self.log_prob_max_token_len_per_gpu = self.ppo_max_token_len_per_gpu
         if self.use_dynamic_bsz and self.log_prob_max_token_len_per_gpu < 1:
             raise ValueError(f"log_prob_max_token_len_per_gpu={self.log_prob_max_token_len_per_gpu} must be >= 1")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (None: off)")
+        if self.hybrid.offload_params and self.fsdp.cpu_offload:
+            raise ValueError("hybrid.offload_params=True with fsdp.cpu_offload=True: the parameters already live in "
+                             "CPU memory")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -190,10 +203,11 @@ def agg_loss(loss_mat, mask, mode: AggMode, n_tokens=None, n_seqs=None, norm_len
     raise ValueError(f"unknown loss_agg_mode {mode!r}")
 
 
-def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, clip_c, agg_mode, **agg_kw):
+def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, clip_c, agg_mode, tis=None, **agg_kw):
     """PPO clipped surrogate with dual-clip; returns (loss, metrics of clipping and approximate KL).
 
-    logp, old_logp, adv, mask: [B, R]. Clip-higher (DAPO) uses clip_high > clip_low.
+    logp, old_logp, adv, mask: [B, R]. Clip-higher (DAPO) uses clip_high > clip_low. tis: per-token weights
+    [B, R] (tis_weights) multiplying the token losses, or None.
     """
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)  # [B, R], clamped so exp cannot overflow
     ratio = log_ratio.exp()  # [B, R]
@@ -203,12 +217,24 @@ def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, clip_c, agg_mode
     # Dual-clip (Ye et al. 2020): for adv < 0, bound the loss by -adv * clip_c when the ratio explodes.
     loss_dual = torch.minimum(loss_ppo, -adv * clip_c)
     loss_mat = torch.where(adv < 0, loss_dual, loss_ppo)  # [B, R]
+    if tis is not None:
+        loss_mat = loss_mat * tis
     metrics = {
         "actor/pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
         "actor/pg_clipfrac_lower": masked_mean(((loss_ppo > -adv * clip_c) & (adv < 0)).float(), mask).item(),
         "actor/ppo_kl": masked_mean(-log_ratio, mask).item(),
     }
     return agg_loss(loss_mat, mask, agg_mode, **agg_kw), metrics
+
+
+def tis_weights(old_logp, rollout_logp, mask, cap: float) -> tuple[torch.Tensor, dict]:
+    """Truncated importance sampling (Yao et al. 2025): per-token weights [B, R] = min(pi_old / pi_rollout, cap), no
+    gradient. The engine samples from slightly other probabilities than the trainer's (other kernels, dtype): this
+    reweights its samples toward the trainer's old policy, truncated so that rare tokens cannot blow up the loss."""
+    ratio = (old_logp - rollout_logp).clamp(max=20.0).exp()  # [B, R], clamped so exp cannot overflow
+    weights = ratio.clamp(max=cap).detach()  # [B, R]
+    return weights, {"actor/tis_weight_mean": masked_mean(weights, mask).item(),
+                     "actor/tis_clipfrac": masked_mean((ratio > cap).float(), mask).item()}
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torch.Tensor:
@@ -303,6 +329,8 @@ class ActorWorker:
         if cfg.use_remove_padding and not self.remove_padding and dist.is_main:
             print(f"use_remove_padding: the {self.model.config._attn_implementation} attention lets packed sequences "
                   "see each other (batching.packing_works); running padded micro-batches instead")
+        # train mode <-> rollout mode, streaming the weights into the engine (the 3D-HybridEngine, hybrid_engine.py)
+        self.hybrid = HybridEngine(self.model, self.opt, self.rollout, dist, cfg.hybrid, DTYPES[cfg.fsdp.param_dtype])
 
     def generate(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> TensorDict:
         """n responses per prompt (prompt-major: rows i*n .. i*n+n-1 share prompt i) -> batch."""
@@ -379,8 +407,12 @@ class ActorWorker:
         cfg, mask = self.cfg, micro["response_mask"]
         logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True,
                                            remove_padding=self.remove_padding)  # [b, R] each
+        tis, tis_metrics = None, {}
+        if cfg.tis_cap is not None:
+            tis, tis_metrics = tis_weights(micro["old_log_probs"], micro["rollout_log_probs"], mask, cfg.tis_cap)
         pg_loss, metrics = policy_loss(logp, micro["old_log_probs"], micro["advantages"], mask, cfg.clip_ratio_low,
-                                       cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, **counts)
+                                       cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, tis, **counts)
+        metrics.update(tis_metrics)
         ent = agg_loss(entropy, mask, cfg.loss_agg_mode, **counts)
         loss = pg_loss - cfg.entropy_coeff * ent
         metrics.update({"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item()})
@@ -389,18 +421,6 @@ class ActorWorker:
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.item()
         return loss, metrics
-
-    def sync_weights(self):
-        """Hand the updated weights to this rank's rollout engine.
-
-        One bucket holds the whole model for now: the engine fuses q/k/v and gate/up, so a bucket must not split
-        a layer (hybrid_engine.py will stream layer-aligned buckets without a second full copy).
-        """
-        if self.dist.mesh is None:  # one process: the parameters themselves, no copy
-            self.rollout.update_weights((name, p.detach()) for name, p in self.model.named_parameters())
-            return
-        for bucket in full_weights(self.model, bucket_bytes=1 << 62):  # every rank gathers the full weights
-            self.rollout.update_weights(bucket)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -418,7 +438,8 @@ def score(batch: TensorDict, rows: list[dict], tokenizer, reward_fn) -> torch.Te
 def evaluate(worker: ActorWorker, val_rows: list[dict], reward_fn) -> dict:
     """Greedy accuracy on held-out prompts (one response each); each dp rank takes its share."""
     rows = val_rows[worker.dist.dp_rank :: worker.dist.dp_size]
-    batch = worker.generate([r["prompt_ids"] for r in rows], seeds=None, greedy=True)
+    with worker.hybrid.rollout_mode({}):  # a switch of its own (its metrics are not the step's)
+        batch = worker.generate([r["prompt_ids"] for r in rows], seeds=None, greedy=True)
     scores = score(batch, rows, worker.tokenizer, reward_fn)
     total = reduce_metrics({"correct": scores.sum().item(), "n": len(rows)}, worker.dist, sum_keys=("correct", "n"))
     return {"val/accuracy": total["correct"] / total["n"]}
@@ -481,8 +502,7 @@ def resume(cfg: Config, worker: ActorWorker, ckpt_dir: str) -> tuple[int, list[d
     extra = load_checkpoint(path, worker.model, worker.opt, worker.dist)
     for group in worker.opt.param_groups:  # the optimizer state resumes; the learning rate is this run's
         group["lr"] = cfg.lr
-    torch.set_rng_state(extra["rng"])
-    worker.sync_weights()  # the engine started from model_path's weights
+    torch.set_rng_state(extra["rng"])  # the engine gets the loaded weights at the next switch to rollout mode
     print(f"resumed from {path} at step {extra['step']}")
     return extra["step"] + 1, extra["records"]
 
@@ -539,8 +559,8 @@ def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
             indices = prompt_indices(step, cfg, len(train_ds))[dist.dp_rank * per_rank : (dist.dp_rank + 1) * per_rank]
             rows = [train_ds[i] for i in indices]  # this rank's prompts
 
-            # ==================== 1. generate: n responses per prompt ====================
-            with timer("gen", metrics):
+            # ==================== 1. rollout mode: stream the new weights into vLLM, generate n per prompt ===
+            with worker.hybrid.rollout_mode(metrics), timer("gen", metrics):  # leaving it: vLLM sleeps
                 batch = worker.generate([r["prompt_ids"] for r in rows], [sample_seed(cfg, step, r["index"]) for r in rows])
             rows = [r for r in rows for _ in range(cfg.rollout_n)]
 
@@ -573,11 +593,7 @@ def train(cfg: Config, compute_advantages: AdvantageFn) -> list[dict]:
             with timer("update_actor", metrics):
                 metrics.update(worker.update(batch))
 
-            # ==================== 6. stream the new weights into the rollout engine ====================
-            with timer("update_weights", metrics):
-                worker.sync_weights()
-
-        # ==================== 7. metrics, evaluation, checkpoint ====================
+        # ==================== 6. metrics, evaluation, checkpoint ====================
         metrics.update(batch_metrics(batch, cfg.max_response_length))
         metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]  # per rank
         # mean over ranks; /max, /min keys by max, min; counts by sum

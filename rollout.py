@@ -73,6 +73,9 @@ class VLLMRollout:
             **memory,
         )
         self.tied = self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
+        # A bucket (update_weights) leaves most modules out on purpose, and vLLM's reload then warns about each
+        # of them at every call; hybrid_engine.py's verify_sync checks what arrived instead.
+        logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
         self._warned_sleep = False
 
     def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float,
@@ -101,7 +104,9 @@ class VLLMRollout:
         """Load HF-named weights into the running engine. The model's own load_weights fails on CPU (its
         linear weights are repacked for the CPU kernels); the worker's reload_weights re-runs that processing.
         A call may carry a subset (a bucket): modules it leaves out keep their weights, but the weights of one
-        vLLM module must come together (q/k/v and gate/up are fused there), else its missing part is garbage."""
+        vLLM module must come in one call (q/k/v and gate/up are fused there): the loader rebuilds a module from
+        what one call brought, and a missing part comes out as uninitialised memory (measured: NaN log-probs when
+        each tensor came alone). sharding.full_weights' buckets hold whole decoder layers for this reason."""
         worker = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
         worker.reload_weights(weights_iterator=self._with_tied_head(weights) if self.tied else weights)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
@@ -132,10 +137,12 @@ class VLLMRollout:
             return
         self.llm.sleep(level=1)
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """tags: ["weights"] or ["kv_cache"] wakes one part (the weights first, so they are loaded before the
+        KV cache takes its memory); None: both."""
         if self._skip_sleep():
             return
-        self.llm.wake_up()
+        self.llm.wake_up(tags=tags)
 
     def _skip_sleep(self) -> bool:
         if self.on_cpu and not self._warned_sleep:
@@ -228,5 +235,5 @@ class HFRollout:
     def sleep(self) -> None:
         """No-op: the model belongs to the trainer."""
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         """No-op: the model belongs to the trainer."""

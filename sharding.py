@@ -9,7 +9,7 @@ API (every function is called by every rank, in the same order; with no process 
     ref = load_sharded_model(path, dist, FSDPConfig(), trainable=False)             # frozen reference (eval mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)   # after sharding: it holds the local shards
     loss.backward(); norm = clip_grad_norm(model, 1.0)            # skip optimizer.step() when norm is not finite
-    for bucket in full_weights(model, bucket_bytes=1 << 28):      # [(hf_name, full tensor)], one bucket alive at a time
+    for bucket in full_weights(model, 1 << 28, torch.bfloat16):   # [(hf_name, full tensor)], whole decoder layers
         engine.load(bucket)
     save_checkpoint(ckpt_dir, step, model, optimizer, {"step": step, "rng": torch.get_rng_state()}, dist)
     path = find_latest(ckpt_dir)                                   # None when the run has no checkpoint yet
@@ -79,12 +79,18 @@ def _set_trainable(model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
     return model.train(trainable)
 
 
+def decoder_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of the model's decoder layers: its _no_split_modules classes. fully_shard swaps a module's
+    class for a subclass (FSDPQwen2DecoderLayer), hence the look through the class's bases."""
+    classes = set(model._no_split_modules or ())
+    return [(name, m) for name, m in model.named_modules() if any(c.__name__ in classes for c in type(m).__mro__)]
+
+
 def _shard(model: torch.nn.Module, dist: Dist, cfg: FSDPConfig) -> None:
     """fully_shard every decoder layer, then the root (which takes the remaining parameters)."""
-    layer_classes = set(model._no_split_modules or ())
-    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    layers = [m for _, m in decoder_layers(model)]
     if not layers:
-        raise ValueError(f"{type(model).__name__}: no module of a _no_split_modules class {layer_classes}")
+        raise ValueError(f"{type(model).__name__}: no module of a _no_split_modules class {model._no_split_modules}")
     kwargs = dict(
         mesh=dist.mesh["dp"], reshard_after_forward=cfg.reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]),
@@ -156,8 +162,13 @@ def hf_name(name: str) -> str:
     return name
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    tensor = tensor.detach()
+def cast_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a weight travels in: dtype for floating-point tensors (None: their own), integers keep theirs."""
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
+def _full(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    tensor = tensor.detach().to(cast_dtype(tensor, dtype))  # before the gather: it moves rollout-dtype bytes
     if not isinstance(tensor, DTensor):
         return tensor
     if tensor.device.type != tensor.device_mesh.device_type:  # CPU-offloaded shard: gather on the mesh's device
@@ -165,27 +176,45 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor()
 
 
-def full_weights(model: torch.nn.Module, bucket_bytes: int):
-    """Yield lists of (HF name, full tensor) holding at most bucket_bytes (a larger tensor comes alone).
+def weight_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
+    """The model's weights (parameters + persistent buffers, HF names, a tied weight once), in state-dict order,
+    as groups that never split a decoder layer: one group per layer (a _no_split_modules module), one per other
+    tensor. vLLM fuses q/k/v and gate/up inside a layer, and its loader rebuilds a fused module from the weights
+    of one load call only (the parts left out become garbage), so a layer must reach it whole.
+    """
+    layers = [name + "." for name, _ in decoder_layers(model)]
+    seen, groups, current = set(), [], None
+    for name, tensor in model.state_dict(keep_vars=True).items():  # parameters + persistent buffers, in order
+        if id(tensor) in seen:  # lm_head.weight is embed_tokens.weight in a tied model
+            continue
+        seen.add(id(tensor))
+        layer = next((prefix for prefix in layers if name.startswith(prefix)), None)
+        if layer is None or layer != current:
+            groups.append([])
+        current = layer
+        groups[-1].append((hf_name(name), tensor))
+    return groups
+
+
+def full_weights(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None):
+    """Yield lists of (HF name, full tensor in dtype) of whole weight_groups, at most bucket_bytes in all (a
+    group larger than bucket_bytes comes alone, whole).
 
     Collective: every rank iterates, every rank gets the full tensors. Each bucket is gathered when it is
     yielded and this generator keeps no reference to it, so once the caller drops a bucket no second full copy
-    of the model exists. Tied weights come once (lm_head.weight is embed_tokens.weight in a tied model), and
-    tensors keep the master dtype (cast for the engine if it wants bf16).
+    of the model exists. dtype None keeps the master dtype; shards are cast before the gather.
     """
-    seen, bucket, size = set(), [], 0
-    for name, tensor in model.state_dict(keep_vars=True).items():  # parameters + persistent buffers, in order
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        nbytes = tensor.numel() * tensor.element_size()  # the full size: DTensor.numel() is global
+    bucket, size = [], 0
+    for group in weight_groups(model):
+        # the full size: DTensor.numel() is global
+        nbytes = sum(t.numel() * cast_dtype(t, dtype).itemsize for _, t in group)
         if bucket and size + nbytes > bucket_bytes:
-            yield [(hf_name(n), _full(t)) for n, t in bucket]
+            yield [(n, _full(t, dtype)) for n, t in bucket]
             bucket, size = [], 0
-        bucket.append((name, tensor))
+        bucket += group
         size += nbytes
     if bucket:
-        yield [(hf_name(n), _full(t)) for n, t in bucket]
+        yield [(n, _full(t, dtype)) for n, t in bucket]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Hand-checked tests of the loss maths: ppo.py's masked_mean, agg_loss, policy_loss, kl_penalty,
+"""Hand-checked tests of the loss maths: ppo.py's masked_mean, agg_loss, policy_loss, tis_weights, kl_penalty,
 entropy_from_logits and grpo.py's group_advantages / grpo_advantages. Tiny tensors, no models.
     python -m pytest tests/test_losses.py -q
 
@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict
 
 from grpo import group_advantages, grpo_advantages
-from ppo import Config, agg_loss, entropy_from_logits, kl_penalty, masked_mean, policy_loss
+from ppo import Config, agg_loss, entropy_from_logits, kl_penalty, masked_mean, policy_loss, tis_weights
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 EPS = 1e-6  # group_advantages' default eps
@@ -195,6 +195,33 @@ def test_policy_loss_dual_clip_only_for_negative_advantages():
     assert loss.item() == approx(-2.0 * 1.28)
     assert m["actor/pg_clipfrac_lower"] == 0.0
     assert m["actor/pg_clipfrac"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# tis_weights (truncated importance sampling)
+# ---------------------------------------------------------------------------------------------------
+
+# old - rollout log-probs: [[ln 0.5, ln 3, 0, (pad) ln 10]]: ratios 0.5, 3 (above the cap of 2), 1, padding
+TIS_OLD = torch.tensor([[-1.0, -0.5, -2.0, -0.1]], dtype=torch.float64)
+TIS_ROLLOUT = TIS_OLD - torch.tensor([[math.log(0.5), math.log(3.0), 0.0, math.log(10.0)]], dtype=torch.float64)
+TIS_MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+
+
+def test_tis_weights_by_hand():
+    weights, metrics = tis_weights(TIS_OLD, TIS_ROLLOUT, TIS_MASK, cap=2.0)
+    assert weights[0, :3].tolist() == approx([0.5, 2.0, 1.0])
+    assert metrics["actor/tis_weight_mean"] == approx((0.5 + 2.0 + 1.0) / 3)  # padding (10 -> 2) left out
+    assert metrics["actor/tis_clipfrac"] == approx(1 / 3)
+
+
+def test_tis_weights_multiply_token_losses():
+    # one row of three real tokens, ratio 1 (no PPO clipping): token losses -adv = [-1, -2, 3]
+    logp = old = torch.zeros(1, 3, dtype=torch.float64)
+    adv = torch.tensor([[1.0, 2.0, -3.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    weights = torch.tensor([[0.5, 2.0, 1.0]], dtype=torch.float64)
+    loss, _ = policy_loss(logp, old, adv, mask, CLIP_LOW, CLIP_HIGH, CLIP_C, "token-mean", weights)
+    assert loss.item() == approx((-1 * 0.5 - 2 * 2.0 + 3 * 1.0) / 3)  # -0.5
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -72,3 +72,16 @@ def test_non_finite_gradient_skips_the_step(model_path):
     after = params(worker)
     assert all(torch.isfinite(v).all() for v in after.values())
     assert any((before[k] - after[k]).abs().max() > 0 for k in before), "the second, finite mini-batch must still step"
+
+
+def test_tis_weights_reach_the_update(model_path):
+    """With tis_cap the update reports TIS metrics; HF generate samples with the trainer's own weights, so the
+    rollout and old log-probs agree and every weight is ~1 (nothing truncated)."""
+    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+                 max_response_length=6, tis_cap=2.0)
+    worker = ActorWorker(cfg, model_path, init_distributed())
+    metrics = worker.update(make_batch(worker))
+    assert metrics["actor/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["actor/tis_clipfrac"] == 0.0
+    with pytest.raises(ValueError, match="tis_cap"):
+        Config(tis_cap=0.0)

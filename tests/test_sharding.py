@@ -119,7 +119,9 @@ def test_full_weights_buckets(run):
     ref, r0, r1 = run["ref"], *run["ranks"]
     for rank in (r0, r1):
         one, big = rank["weights_1"], rank["weights_big"]
-        assert len(big) == 1 and all(len(bucket) == 1 for bucket in one)  # larger than 1 byte: each alone
+        # 1 byte: each bucket is one decoder layer (kept whole for vLLM's fused modules) or one other tensor
+        assert len(big) == 1 and [sorted({".".join(n.split(".")[:3]) for n, _ in b}) for b in one] == [
+            ["model.embed_tokens.weight"], ["model.layers.0"], ["model.layers.1"], ["model.norm.weight"]]
         assert [n for b in one for n, _ in b] == [n for b in big for n, _ in b] == list(ref["weights"])
         assert_close_dicts(dict(p for b in one for p in b), ref["weights"], atol=0)
         assert_close_dicts(dict(p for b in big for p in b), ref["weights"], atol=0)
@@ -128,15 +130,18 @@ def test_full_weights_buckets(run):
     assert not any("inv_freq" in n for n in ref["weights"])
 
 
-def test_bucket_bytes_bound_on_plain_model(run):
+def test_buckets_hold_whole_layers_within_the_bound(run):
     model = build_tiny_qwen2(run["tokenizer"], TINY)
-    limit = 64 * 128 * 4 * 2  # two fp32 MLP matrices; the embedding ([V, 64], V > 256) is larger
-    buckets = list(sharding.full_weights(model, limit))
-    for bucket in buckets:
-        assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= limit
-    assert any(len(bucket) > 1 for bucket in buckets)
-    embed = next(bucket for bucket in buckets if bucket[0][0] == "model.embed_tokens.weight")
-    assert len(embed) == 1 and embed[0][1].shape == model.model.embed_tokens.weight.shape
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())  # elements of one decoder layer
+    for dtype in (None, torch.bfloat16):
+        size = (dtype or torch.float32).itemsize
+        limit = (layer + TINY.hidden_size) * size  # one layer and the final norm fit; two layers do not
+        buckets = list(sharding.full_weights(model, limit, dtype))
+        assert [sorted({".".join(n.split(".")[:3]) for n, _ in b}) for b in buckets] == [
+            ["model.embed_tokens.weight"], ["model.layers.0"], ["model.layers.1", "model.norm.weight"]]
+        assert sum(t.numel() * t.element_size() for _, t in buckets[2]) == limit  # the bound is inclusive
+        assert {t.dtype for b in buckets for _, t in b} == {dtype or torch.float32}  # cast on the way out
+        assert buckets[0][0][1].shape == model.model.embed_tokens.weight.shape  # alone: it and a layer exceed the limit
 
 
 def test_export_hf_loads_back(run):

@@ -1,0 +1,159 @@
+"""Weight sync into vLLM on 2 torchrun ranks: the hybrid engine against the naive path and the communication floor.
+
+    OMP_NUM_THREADS=1 python bench/reshard.py                    # ~10M, ~100M and ~300M-parameter Qwen2s, fp32
+    OMP_NUM_THREADS=1 python bench/reshard.py --sizes 10m        # one model, quick
+
+For each size the launcher builds a Qwen2 from a config (random weights, tied embeddings, vocab 32k), saves it, and
+runs this file under `torchrun --nproc_per_node=2` as the measuring workers. Each rank holds the FSDP2-sharded
+model (sharding.load_sharded_model) and its own in-process vLLM engine (rollout.VLLMRollout), and times, after one
+untimed round, `repeats` rounds of each way of putting the trainer's weights into the engines:
+- hybrid:       HybridEngine.rollout_mode with 512 MB buckets (whole decoder layers, full_tensor() per parameter)
+- hybrid/layer: the same with 1-byte buckets: one decoder layer (or other tensor) per engine call
+- naive:        rank 0 gathers the full state dict and save_pretrained's it (sharding.export_hf), then every
+                engine reloads from that folder (vLLM's reload_weights(weights_path=...)). On CPU this skips the
+                repacked copy of a tied lm_head (the folder has no lm_head.weight), which then stays stale: the
+                naive times are a lower bound for a correct naive path
+- gather:       the hybrid engine's own gathers (sharding.full_weights, 512 MB buckets), no engine: its
+                communication alone
+- floor:        one all_gather_into_tensor of the same bytes, no engine
+Per rank: seconds per sync, and peak extra memory during it (the process's peak RSS after a reset, minus its RSS
+before: hybrid_engine.reset_peak_memory / peak_memory). The tables show the slower / larger rank.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, not bench/
+
+import torch  # noqa: E402
+import torch.distributed as tdist  # noqa: E402
+import tyro  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from comm import barrier, broadcast_object, init_distributed  # noqa: E402
+from hybrid_engine import MB, HybridConfig, HybridEngine, peak_memory, reset_peak_memory  # noqa: E402
+from rollout import VLLMRollout  # noqa: E402
+from sharding import export_hf, full_weights, load_sharded_model  # noqa: E402
+
+# name: (hidden, layers, intermediate); head size 64, 4 query heads per KV head
+SIZES = {"10m": (256, 4, 704), "100m": (768, 12, 2048), "300m": (1024, 24, 2816)}
+VOCAB = 32000
+
+
+@dataclass
+class BenchConfig:
+    sizes: tuple[str, ...] = ("10m", "100m", "300m")
+    """Models to measure, from SIZES."""
+    repeats: int = 3
+    """Timed rounds per method, after one untimed round."""
+    bucket_mb: float = 512.0
+    """The hybrid engine's bucket size."""
+    worker_out: str | None = None
+    """Internal: set by the launcher; run as a measuring worker and write its numbers to this JSON file."""
+    model_dir: str | None = None
+    """Internal: the saved model the workers load."""
+
+
+def measure(fn, device, repeats: int) -> dict:
+    """Mean seconds of fn over `repeats` calls after a warm-up, and the largest peak extra memory of a call."""
+    fn()
+    seconds, extra = [], 0
+    for _ in range(repeats):
+        at_start = reset_peak_memory(device)
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+        extra = max(extra, peak_memory(device) - at_start)
+    return {"s": sum(seconds) / repeats, "extra_mb": extra / MB}
+
+
+def worker(cfg: BenchConfig) -> None:
+    dist = init_distributed()
+    model = load_sharded_model(cfg.model_dir, dist)
+    rollout = VLLMRollout(cfg.model_dir, max_model_len=64)
+    optimizer = torch.optim.AdamW(model.parameters())  # no state yet: nothing to offload on CPU anyway
+
+    def hybrid_sync(bucket_mb: float):
+        hybrid = HybridEngine(model, optimizer, rollout, dist, HybridConfig(bucket_mb=bucket_mb), torch.float32)
+
+        def sync():
+            with hybrid.rollout_mode({}):
+                pass
+        return sync
+
+    naive_dir = os.path.join(os.path.dirname(cfg.worker_out), "naive")
+
+    def naive():
+        export_hf(model, None, naive_dir, dist)  # rank 0 gathers and writes; a barrier at the end
+        rollout.llm.collective_rpc("reload_weights", kwargs={"weights_path": naive_dir})
+        rollout.llm.reset_prefix_cache()
+        barrier(dist)
+
+    n = sum(p.numel() for p in model.parameters())  # global sizes (DTensor)
+    shard = torch.randn(math.ceil(n / dist.world_size))  # what one rank contributes, fp32
+
+    def floor():  # the output buffer is allocated inside: it is the floor's extra memory
+        tdist.all_gather_into_tensor(torch.empty(shard.numel() * dist.world_size), shard)
+
+    def gather():
+        for bucket in full_weights(model, int(cfg.bucket_mb * MB), torch.float32):
+            del bucket
+
+    mine = {"params": n}
+    for name, fn in (("hybrid", hybrid_sync(cfg.bucket_mb)), ("hybrid/layer", hybrid_sync(1 / MB)), ("naive", naive),
+                     ("gather", gather), ("floor", floor)):
+        mine[name] = measure(fn, dist.device, cfg.repeats)
+    everyone = [broadcast_object(mine, dist, src=r) for r in range(dist.world_size)]
+    if dist.is_main:
+        Path(cfg.worker_out).write_text(json.dumps(everyone))
+    barrier(dist)  # no destroy_process_group: the engine's own shutdown at exit destroys it (CPU-NOTES)
+
+
+def launch(cfg: BenchConfig, size: str, root: str) -> list[dict]:
+    hidden, layers, intermediate = SIZES[size]
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
+                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256, tie_word_embeddings=True,
+                         max_position_embeddings=512)
+    model_dir, out = os.path.join(root, size), os.path.join(root, f"{size}.json")
+    Qwen2ForCausalLM(config).save_pretrained(model_dir)
+    flags = [f"--repeats={cfg.repeats}", f"--bucket-mb={cfg.bucket_mb}", f"--model-dir={model_dir}",
+             f"--worker-out={out}"]
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                    "--rdzv-endpoint=localhost:0", __file__, *flags], check=True)
+    return json.loads(Path(out).read_text())
+
+
+def main(cfg: BenchConfig) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for size in cfg.sizes:
+            ranks = launch(cfg, size, root)
+            worst = {m: {k: max(r[m][k] for r in ranks) for k in ("s", "extra_mb")}
+                     for m in ("hybrid", "hybrid/layer", "naive", "gather", "floor")}
+            rows.append((size, ranks[0]["params"], worst))
+    print(f"\nWeight sync into vLLM, 2 ranks (gloo), fp32, mean of {cfg.repeats} after a warm-up; the slower / larger "
+          f"rank. Extra memory: peak RSS during the sync minus RSS before it.")
+    for size, params, worst in rows:
+        model_mb = params * 4 / MB
+        hybrid = worst["hybrid"]
+        print(f"\n{size}: {params / 1e6:.1f}M parameters, {model_mb:.0f} MB fp32; bucket {cfg.bucket_mb:.0f} MB")
+        print(f"{'method':<14} {'s/sync':>8} {'/ hybrid':>9} {'extra MB':>9} {'/ model':>8}")
+        for method, m in worst.items():
+            print(f"{method:<14} {m['s']:>8.3f} {m['s'] / hybrid['s']:>9.2f} {m['extra_mb']:>9.0f} "
+                  f"{m['extra_mb'] / model_mb:>8.2f}")
+        bound = min(cfg.bucket_mb, model_mb) + 0.1 * model_mb
+        print(f"naive / hybrid = {worst['naive']['s'] / hybrid['s']:.2f} (target >= 3); hybrid / floor = "
+              f"{hybrid['s'] / worst['floor']['s']:.2f} (target <= 1.5); hybrid extra {hybrid['extra_mb']:.0f} MB vs "
+              f"bucket + 10% of the model = {bound:.0f} MB")
+
+
+if __name__ == "__main__":
+    cli = tyro.cli(BenchConfig)
+    worker(cli) if cli.worker_out else main(cli)

