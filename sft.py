@@ -6,9 +6,12 @@
 
 The built-in policy is made here, with no download: a byte-level tokenizer (one token per byte) built with
 the `tokenizers` library (saved as an HF tokenizer with a minimal chat template, so the prompt path is the
-one real chat models use) and a tiny `Qwen2ForCausalLM` made from a config. The warm start trains it on
-the built-in arithmetic task until held-out greedy accuracy first reaches `stop_accuracy` (a modest
-value, so RL has room to show), and caches the result: a second run with the same config reuses it.
+one real chat models use) and a tiny `Qwen2ForCausalLM` made from a config. Its warm start has two phases
+on the built-in arithmetic task: it learns to add from the true answers (until held-out greedy accuracy
+reaches `stop_accuracy`), then picks up a habit from a sloppy teacher that forgets each carry with chance
+`teacher_slip`. The result knows how to carry and samples it now and then, but its greedy answer drops
+carries, so RL has a behaviour to select (as RL on an LLM sharpens what the base model does sometimes).
+The result is cached: a second run with the same config reuses it.
 
 The SFT data layout is verl's: a parquet with a prompt column (a chat list or a plain string) and a
 response column (`response_key`, which may be a dotted path into a dict column, e.g. extra_info.answer).
@@ -77,8 +80,13 @@ class SFTConfig:
     """Steps between held-out greedy evaluations."""
     eval_size: int = 200
     """Held-out problems per evaluation."""
-    stop_accuracy: float = 0.3
+    stop_accuracy: float = 0.9
     """Stop at the first evaluation whose greedy accuracy reaches this (0 disables: run max_steps)."""
+    teacher_slip: float = 0.7
+    """Built-in task: after stop_accuracy, train on a sloppy teacher that forgets each carry with this chance
+    (data/arith.py), so the warm start can add but mostly drops carries: RL has a habit to unlearn (0: skip)."""
+    habit_steps: int = 300
+    """Built-in task: steps on the sloppy teacher's answers."""
     seed: int = 0
     """Seed for the model initialisation and data order."""
     arith_digits: int = 2
@@ -89,8 +97,9 @@ class SFTConfig:
     """Built-in task: numbers per expression (see data/arith.py)."""
 
     def __post_init__(self):
-        if not 0.0 <= self.stop_accuracy <= 1.0:
-            raise ValueError(f"stop_accuracy must be in [0, 1], got {self.stop_accuracy}")
+        for name in ("stop_accuracy", "teacher_slip"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
         if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
@@ -220,38 +229,47 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
 # ---------------------------------------------------------------------------------------------------
 
 
-def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir: str) -> dict:
-    """AdamW on the response loss; evaluate every eval_every steps; stop once stop_accuracy is reached."""
+def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir: str, habit_pairs=None) -> dict:
+    """AdamW on the response loss, evaluating every eval_every steps, until stop_accuracy (or max_steps);
+    then, given habit_pairs (the built-in task's sloppy teacher), habit_steps more on those."""
     random.seed(cfg.seed)
-    examples = encode_pairs(tokenizer, pairs, cfg.max_length)
     max_new = max(len(tokenizer(str(lookup(r, "reward_model.ground_truth")))["input_ids"]) for r in val_rows) + 4
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
-    history, order, pos = [], [], 0
+    history = []
     model.train()
-    bar = tqdm(range(1, cfg.max_steps + 1), desc="sft")
-    for step in bar:
-        if pos + cfg.batch_size > len(order):  # reshuffle each epoch
-            order, pos = random.sample(range(len(examples)), len(examples)), 0
-        batch = [examples[i] for i in order[pos : pos + cfg.batch_size]]
-        pos += cfg.batch_size
-        loss = sft_loss(model, *collate(batch, tokenizer.pad_token_id))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            acc = greedy_accuracy(model, tokenizer, val_rows, max_new)
-            history.append({"step": step, "loss": loss.item(), "val/accuracy": acc})
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.3f}")
-            if cfg.stop_accuracy and acc >= cfg.stop_accuracy:
-                break
+
+    def fit(pairs, max_steps: int, stop_accuracy: float, phase: str) -> int:
+        """Train on pairs; returns the steps taken."""
+        examples, order, pos = encode_pairs(tokenizer, pairs, cfg.max_length), [], 0
+        bar = tqdm(range(1, max_steps + 1), desc=phase)
+        for step in bar:
+            if pos + cfg.batch_size > len(order):  # reshuffle each epoch
+                order, pos = random.sample(range(len(examples)), len(examples)), 0
+            batch = [examples[i] for i in order[pos : pos + cfg.batch_size]]
+            pos += cfg.batch_size
+            loss = sft_loss(model, *collate(batch, tokenizer.pad_token_id))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if step % cfg.eval_every == 0 or step == max_steps:
+                acc = greedy_accuracy(model, tokenizer, val_rows, max_new)
+                history.append({"phase": phase, "step": step, "loss": loss.item(), "val/accuracy": acc})
+                bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.3f}")
+                if stop_accuracy and acc >= stop_accuracy:
+                    break
+        return step
+
+    steps = fit(pairs, cfg.max_steps, cfg.stop_accuracy, "sft")
+    if habit_pairs:
+        steps += fit(habit_pairs, cfg.habit_steps, 0.0, "sft on the sloppy teacher")
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    result = {"steps": step, "val/accuracy": history[-1]["val/accuracy"], "history": history, "config": asdict(cfg)}
+    result = {"steps": steps, "val/accuracy": history[-1]["val/accuracy"], "history": history, "config": asdict(cfg)}
     with open(os.path.join(tmp, "sft_result.json"), "w") as f:
         json.dump(result, f, indent=1)
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -264,7 +282,7 @@ def builtin_files(cfg: SFTConfig, root: str) -> tuple[str, str]:
     from data.arith import ArithConfig, write_parquet
 
     return write_parquet(ArithConfig(out_dir=os.path.join(root, "arith"), digits=cfg.arith_digits, ops=cfg.arith_ops,
-                                     operands=cfg.arith_operands))
+                                     operands=cfg.arith_operands, teacher_slip=cfg.teacher_slip))
 
 
 def run(cfg: SFTConfig) -> str:
@@ -288,8 +306,11 @@ def run(cfg: SFTConfig) -> str:
         model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype=torch.float32)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     pairs = read_sft_rows(train_files, cfg.prompt_key, cfg.response_key)
+    habit_pairs = None
+    if cfg.train_files is None and cfg.teacher_slip:  # the built-in task's second phase: the sloppy teacher
+        habit_pairs = read_sft_rows(train_files, cfg.prompt_key, "extra_info.teacher_answer")
     val_rows = read_rl_parquet(val_files.split(",")[0])[: cfg.eval_size]  # schema-checked, plain python rows
-    result = train(cfg, model, tokenizer, pairs, val_rows, out_dir)
+    result = train(cfg, model, tokenizer, pairs, val_rows, out_dir, habit_pairs)
     print(f"SFT stopped at step {result['steps']}: held-out greedy accuracy {result['val/accuracy']:.3f} -> {out_dir}")
     return out_dir
 

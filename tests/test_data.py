@@ -3,6 +3,7 @@
 """
 
 import json
+import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -98,6 +99,39 @@ def test_arith_train_val_disjoint():
     assert arith.make_splits(cfg) == (train, val)
 
 
+def test_arith_pads_operands():
+    padded = arith.make_problems(arith.ArithConfig(ops="+", digits=3), 100, seed=0)
+    ragged = arith.make_problems(arith.ArithConfig(ops="+", digits=3, pad_operands=False), 100, seed=0)
+    assert all(len(p["expression"]) == 7 for p in padded)  # "007+120"
+    assert any(len(p["expression"]) < 7 for p in ragged)
+    for p, r in zip(padded, ragged):  # the same problems, written two ways
+        assert [int(x) for x in p["expression"].split("+")] == [int(x) for x in r["expression"].split("+")]
+        assert p["answer"] == r["answer"]
+
+
+@pytest.mark.parametrize("numbers, forgets_all", [([58, 67], 15), ([99, 1], 90), ([5, 5], 0), ([12, 34], 46),
+                                                  ([999, 1, 5], 995), ([0, 0], 0)])
+def test_teacher_sum_forgets_carries(numbers, forgets_all):
+    rng = random.Random(0)
+    assert arith.teacher_sum(numbers, 0.0, rng) == sum(numbers)
+    assert arith.teacher_sum(numbers, 1.0, rng) == forgets_all
+
+
+def test_teacher_slip_rate():
+    cfg = arith.ArithConfig(ops="+", digits=2, teacher_slip=0.6, n_train=4000)
+    train, _ = arith.make_splits(cfg)
+    assert [r["extra_info"]["expression"] for r in train] == \
+        [r["extra_info"]["expression"] for r in arith.make_splits(arith.ArithConfig(ops="+", n_train=4000))[0]]
+    wrong = [r for r in train if r["extra_info"]["teacher_answer"] != r["extra_info"]["answer"]]
+    carries = [r for r in train if (lambda a, b: a % 10 + b % 10 >= 10 or a + b >= 100)(
+        *map(int, r["extra_info"]["expression"].split("+")))]
+    assert {r["extra_info"]["expression"] for r in wrong} <= {r["extra_info"]["expression"] for r in carries}
+    # one carry is kept with chance 0.4, two with 0.16: the teacher is right on ~30% of carrying sums
+    assert 0.2 < 1 - len(wrong) / len(carries) < 0.4
+    products, _ = arith.make_splits(arith.ArithConfig(ops="*", teacher_slip=1.0, n_train=50))
+    assert all(r["extra_info"]["teacher_answer"] == r["extra_info"]["answer"] for r in products)  # sums only
+
+
 def test_arith_row_schema_and_parquet(tmp_path):
     train_path, val_path = arith.write_parquet(arith.ArithConfig(out_dir=str(tmp_path / "a"), n_train=20, n_val=5))
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["train.parquet", "val.parquet"]
@@ -107,13 +141,14 @@ def test_arith_row_schema_and_parquet(tmp_path):
     expression, answer = first["extra_info"]["expression"], first["extra_info"]["answer"]
     assert first["prompt"] == [{"role": "user", "content": expression + "="}]
     assert first["reward_model"] == {"style": "rule", "ground_truth": answer}
-    assert first["extra_info"] == {"split": "val", "index": 0, "expression": expression, "answer": answer}
+    assert first["extra_info"] == {"split": "val", "index": 0, "expression": expression, "answer": answer,
+                                   "teacher_answer": answer}  # teacher_slip 0: the teacher is right
     assert (first["data_source"], first["ability"]) == ("arith", "math")
     assert arith.sft_response(first) == answer
     assert default_compute_score("arith", f"{expression}={answer}", answer) == 1.0
 
 
-@pytest.mark.parametrize("field, value", [("ops", "+/"), ("digits", 0), ("n_val", 100)])
+@pytest.mark.parametrize("field, value", [("ops", "+/"), ("digits", 0), ("n_val", 100), ("teacher_slip", 1.5)])
 def test_arith_config_rejects(field, value):
     kwargs = {"digits": 1, "ops": "+", field: value}
     with pytest.raises(ValueError, match=field):
