@@ -31,7 +31,7 @@ def make_batch(worker: ActorWorker, seed: int = 0):
     batch["group"] = torch.arange(len(prompts)).repeat_interleave(worker.cfg.rollout_n)
     batch["scores"] = batch["response_mask"].sum(-1) % 3 / 2.0  # any reward that differs within groups
     batch["old_log_probs"] = worker.log_probs(batch)
-    batch["advantages"] = grpo_advantages(batch, worker.cfg)
+    batch["advantages"] = grpo_advantages(batch, worker.cfg, worker.dist)[0]
     return batch
 
 
