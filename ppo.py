@@ -1,14 +1,19 @@
-"""The RL core of nanoverl: config, actor worker, log-probs, policy loss, KL, loss aggregation, the loop.
+"""The RL core of nanoverl and the PPO entry point: config, actor and critic workers, log-probs, values, GAE,
+policy and value losses, KL, loss aggregation, the loop.
 
-    python grpo.py                       # the default run: GRPO on the built-in task (see grpo.py)
-    python grpo.py --help                # every field of Config below
+    python ppo.py                        # PPO with a critic (GAE) on the built-in task
+    python ppo.py --help                 # every field of Config below
+    python ppo.py --use-kl-in-reward --kl-ctrl-type adaptive --kl-coef 0.01 --kl-target 0.05   # KL in the reward
+    python ppo.py --adv-estimator reinforce_plus_plus   # no critic: REINFORCE++ (also rloo, grpo, ..._baseline)
+    python grpo.py                       # GRPO: the same loop with grpo.py's defaults
 
 One RL step, as verl (HybridFlow) does it:
-    generate (vLLM, n samples per prompt) -> reward (rule-based verifier) -> old / ref log-probs
-    -> advantages -> actor update on micro-batches -> stream the new weights into the rollout engine
-The loop is written against a worker with plain methods (generate, log_probs, update, sync_weights),
-so torchrun (every rank runs this loop on its shard) and Ray (a driver calls worker groups) reuse it.
-Advantage estimators are passed in (grpo.py); this file holds no GRPO specifics.
+    generate (vLLM, n samples per prompt) -> reward (rule-based verifier) -> old / ref log-probs, values
+    -> token rewards (- KL penalty) and advantages -> critic update, actor update on micro-batches
+    -> stream the new weights into the rollout engine
+The loop is written against workers with plain methods (actor: generate, log_probs, update, sync_weights;
+critic: values, update), so torchrun (every rank runs this loop on its shard) and Ray (a driver calls worker
+groups) reuse it. adv_estimator picks the estimator (ADVANTAGE_ESTIMATORS); the group ones live in grpo.py.
 """
 
 import json
@@ -388,7 +393,7 @@ ADVANTAGE_ESTIMATORS = {  # adv_estimator -> (batch, cfg, dist) -> (advantages, 
 
 
 # ---------------------------------------------------------------------------------------------------
-# The actor worker: rollout engine + trainable policy (+ frozen reference) in one process
+# The workers: the actor (rollout engine + trainable policy + frozen reference, in one process) and the critic
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -682,7 +687,8 @@ def resolve_defaults(cfg: Config, dist: Dist) -> tuple[str, str, str]:
     return broadcast_object(paths, dist)
 
 
-def resume(cfg: Config, worker: ActorWorker, critic: CriticWorker | None, ckpt_dir: str) -> tuple[int, list[dict], float]:
+def resume(cfg: Config, worker: ActorWorker, critic: CriticWorker | None,
+           ckpt_dir: str) -> tuple[int, list[dict], float]:
     """(first step to run, records so far, in-reward KL coefficient), restoring the models and optimizers from a
     checkpoint when there is one.
 
@@ -796,7 +802,7 @@ def train(cfg: Config) -> list[dict]:
                     kl_coef = update_kl_coef(kl_coef, kl, cfg.train_batch_size * cfg.rollout_n, cfg)
                 batch["advantages"], batch["returns"] = ADVANTAGE_ESTIMATORS[cfg.adv_estimator](batch, cfg, dist)
 
-            # ==================== 5. update the critic, then the actor (after the critic's warm-up) ====================
+            # ==================== 5. update the critic, then the actor (after critic_warmup) ====================
             if critic:
                 with timer("update_critic", metrics):
                     metrics.update(critic.update(batch))
@@ -852,8 +858,8 @@ def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
         if name in batch.keys():
             out.update(stats(f"critic/{name}", batch[name][real]))
     if "values" in batch.keys():  # the share of the returns' variance that the values explain (1: all of it)
-        returns = batch["returns"][real]
-        out["critic/vf_explained_var"] = (1 - (returns - batch["values"][real]).var() / returns.var().clamp(min=1e-8)).item()
+        returns, values = batch["returns"][real], batch["values"][real]
+        out["critic/vf_explained_var"] = (1 - (returns - values).var() / returns.var().clamp(min=1e-8)).item()
     return {
         **out,
         "response_length/mean": lengths.mean().item(),

@@ -17,7 +17,7 @@ from ppo import Config, train
 @pytest.fixture(scope="module")
 def run(tiny_rl_setup, tmp_path_factory):
     cfg = Config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6, lr=3e-3,
-                 total_steps=16, eval_every=8, adv_estimator="grpo", out_dir=str(tmp_path_factory.mktemp("grpo") / "out"))
+                 total_steps=16, eval_every=8, out_dir=str(tmp_path_factory.mktemp("grpo") / "out"), adv_estimator="grpo")
     return cfg, train(cfg)
 
 

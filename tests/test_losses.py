@@ -362,7 +362,8 @@ def test_grpo_advantages_default_config_normalises_by_std():
     batch = TensorDict(scores=torch.tensor([1.0, 0.0]), group=torch.tensor([0, 0]),
                        response_mask=torch.ones(2, 2), batch_size=[2])
     s = math.sqrt(0.5) + EPS
-    assert grpo_advantages(batch, Config(), DIST)[0].flatten().tolist() == approx([0.5 / s, 0.5 / s, -0.5 / s, -0.5 / s])
+    adv = grpo_advantages(batch, Config(), DIST)[0]
+    assert adv.flatten().tolist() == approx([0.5 / s, 0.5 / s, -0.5 / s, -0.5 / s])
 
 
 def close(t: torch.Tensor, expected: list):

@@ -19,9 +19,9 @@ WARMUP = 2
 
 @pytest.fixture(scope="module")
 def run(tiny_rl_setup, tmp_path_factory):
-    cfg = Config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6, lr=3e-3,
-                 critic_lr=3e-3, critic_warmup=WARMUP, use_kl_in_reward=True, kl_ctrl_type="adaptive", kl_coef=0.01,
-                 kl_target=0.01, kl_horizon=400, total_steps=16, eval_every=8,
+    cfg = Config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6,
+                 lr=3e-3, critic_lr=3e-3, critic_warmup=WARMUP, use_kl_in_reward=True, kl_ctrl_type="adaptive",
+                 kl_coef=0.01, kl_target=0.01, kl_horizon=400, total_steps=16, eval_every=8,
                  out_dir=str(tmp_path_factory.mktemp("ppo") / "out"))
     return cfg, train(cfg)
 
