@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+from conftest import assert_reward_rises
 
 from ppo import Config, train
 
@@ -22,10 +23,7 @@ def run(tiny_rl_setup, tmp_path_factory):
 
 
 def test_reward_rises(run):
-    _, records = run
-    rewards = [r["critic/score/mean"] for r in records if "critic/score/mean" in r]
-    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-    assert last > first + 0.2, f"mean reward {first:.3f} (first 4 steps) -> {last:.3f} (last 4)"
+    assert_reward_rises(run[1])
 
 
 def test_run_outputs(run):
