@@ -473,7 +473,7 @@ class Worker:
         self.remove_padding = cfg.use_remove_padding and packing_works(model)
         if cfg.use_remove_padding and not self.remove_padding and dist.is_main:
             print(f"use_remove_padding: the {model.config._attn_implementation} attention lets packed sequences "
-                  f"see each other (batching.packing_works); the {self.role} runs padded micro-batches instead")
+                  f"see each other (batching.packing_works); {self.role}: running padded micro-batches instead")
 
     def micro_batch_parts(self, batch: TensorDict, max_tokens: int | None) -> list[list[int]]:
         """Row indices of batch's micro-batches: within max_tokens (use_dynamic_bsz), else ppo_micro_batch_size rows."""
