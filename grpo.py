@@ -8,7 +8,8 @@
 
 Each prompt is sampled n times; a response's advantage is its reward minus its group's mean, divided by
 the group's std (GRPO, Shao et al. 2024) or not (Dr.GRPO, Liu et al. 2025), the same for every token.
-ppo.py imports the estimators from here (its ADVANTAGE_ESTIMATORS), so this file imports ppo only to run.
+ppo.py imports the estimators from here (its ADVANTAGE_ESTIMATORS), so this file imports ppo only to run. They
+take ppo.py's (batch, cfg, dist) and leave dist alone: a prompt's group never spans dp ranks.
 """
 
 from typing import TYPE_CHECKING

@@ -379,8 +379,9 @@ def reinforce_pp_advantages(batch: TensorDict, cfg: Config, dist: Dist, baseline
     """REINFORCE++ (Hu 2025): each token's discounted return of the token rewards (KL penalty included), whitened
     over the batch; no critic. baseline (REINFORCE++-baseline): each score minus its prompt group's mean first."""
     rewards, mask = batch["token_level_rewards"], batch["response_mask"]  # [B, R]
-    if baseline:  # the score on the last token becomes the group-centred score
-        rewards = rewards + last_token(group_advantages(batch["scores"], batch["group"], False) - batch["scores"], mask)
+    if baseline:  # the last token's reward loses its group's mean score (a group of one keeps its score)
+        centred = group_advantages(batch["scores"], batch["group"], norm_by_std=False)  # [B]
+        rewards = rewards - last_token(batch["scores"] - centred, mask)  # [B, R]
     returns = gae(rewards, torch.zeros_like(rewards), mask, cfg.gamma, 1.0)[0]  # V = 0, lam = 1: the return itself
     return masked_whiten(returns, mask, dist), returns
 
