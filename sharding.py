@@ -1,4 +1,4 @@
-"""FSDP2 sharding of an HF causal LM, full-weight streaming, DCP checkpoints and HF export.
+"""FSDP2 sharding of an HF model (a causal LM, or a critic), full-weight streaming, DCP checkpoints and HF export.
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_sharding.py -q     # 2-rank torchrun tests against one process
     python bench/fsdp.py --hidden-size 256 --num-layers 4            # memory/step time, 1 rank vs 2 ranks
@@ -7,6 +7,7 @@ API (every function is called by every rank, in the same order; with no process 
     dist = comm.init_distributed()
     model = load_sharded_model(path, dist, FSDPConfig(param_dtype="bfloat16"))     # actor: fp32 masters, bf16 compute
     ref = load_sharded_model(path, dist, FSDPConfig(), trainable=False)             # frozen reference (eval mode)
+    critic = load_sharded_model(path, dist, model_class=AutoModelForTokenClassification, config=c)  # c.num_labels=1
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)   # after sharding: it holds the local shards
     loss.backward(); norm = clip_grad_norm(model, 1.0)            # skip optimizer.step() when norm is not finite
     for bucket in full_weights(model, 1 << 28, torch.bfloat16):   # [(hf_name, full tensor)], whole decoder layers
@@ -14,6 +15,7 @@ API (every function is called by every rank, in the same order; with no process 
     save_checkpoint(ckpt_dir, step, model, optimizer, {"step": step, "rng": torch.get_rng_state()}, dist)
     path = find_latest(ckpt_dir)                                   # None when the run has no checkpoint yet
     extra = load_checkpoint(ckpt_dir, model, optimizer, dist)      # any world size: DCP reshards on load
+    save_checkpoint(..., more={"critic": (critic, critic_optimizer)}); load_checkpoint(..., more=...)  # several models
     export_hf(model, tokenizer, out_dir, dist)                     # a plain HF folder (from_pretrained, vLLM)
 
 Sharding: each decoder layer (the model's _no_split_modules classes) is one FSDP2 group, the root (embeddings,
@@ -39,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from comm import Dist, barrier
 
@@ -106,22 +108,26 @@ def _shard(model: torch.nn.Module, dist: Dist, cfg: FSDPConfig) -> None:
 
 
 def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = None, dtype: torch.dtype = torch.float32,
-                       trainable: bool = True) -> torch.nn.Module:
-    """The HF causal LM at model_path, FSDP2-sharded over dist.mesh["dp"] (plain on dist.device without a group).
+                       trainable: bool = True, model_class=AutoModelForCausalLM,
+                       config: PreTrainedConfig | None = None) -> torch.nn.Module:
+    """The HF model at model_path, FSDP2-sharded over dist.mesh["dp"] (plain on dist.device without a group).
 
     dtype is the master weights' dtype (keep fp32 for training; FSDPConfig.param_dtype sets the compute dtype).
-    trainable=False gives a frozen reference: no gradients, eval mode.
+    trainable=False gives a frozen reference: no gradients, eval mode. model_class and config (None: the folder's)
+    pick another head, e.g. a critic: AutoModelForTokenClassification with config.num_labels = 1; weights the
+    folder lacks (the new head) are initialised on rank 0 and reach the other ranks with the rest.
     """
     cfg = cfg or FSDPConfig()
+    config = config or AutoConfig.from_pretrained(model_path)
     if dist.mesh is None:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(dist.device)
+        model = model_class.from_pretrained(model_path, config=config, dtype=dtype).to(dist.device)
         return _set_trainable(model, trainable)
     if dist.rank == 0:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        model = model_class.from_pretrained(model_path, config=config, dtype=dtype)
         full_state = model.state_dict()  # keeps the full tensors alive past fully_shard, which swaps in shards
     else:
         with torch.device("meta"):  # no memory, no init: the weights come from rank 0
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+            model = model_class.from_config(config, dtype=dtype)
         full_state = {}
     _shard(model, dist, cfg)
     if dist.rank != 0:
@@ -228,11 +234,38 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)  # atomic on POSIX: readers see the old or the new pointer, never half
 
 
-def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, extra: dict, dist: Dist) -> str:
+def _state(model, optimizer, more: dict[str, tuple] | None = None) -> dict:
+    """The DCP state of a model and its optimizer (None: the model only), keyed by parameter name (DTensor shards),
+    and that of more's (model, optimizer) pairs under their names.
+
+    get_state_dict creates AdamW's state (a zero-lr step) when none exists yet, so a load has a target to fill.
+    """
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+    for name, (other, other_optimizer) in (more or {}).items():
+        state[name] = _state(other, other_optimizer)
+    return state
+
+
+def _set_state(model, optimizer, state: dict, more: dict[str, tuple] | None = None) -> None:
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, (other, other_optimizer) in (more or {}).items():
+        _set_state(other, other_optimizer, state[name])
+
+
+def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, extra: dict, dist: Dist,
+                    more: dict[str, tuple] | None = None) -> str:
     """Write ckpt_dir/step_{step}/ and point ckpt_dir/latest at it; returns the folder.
 
-    Written to step_{step}.tmp, renamed when every rank is done, and only then is `latest` replaced, so a
-    crash at any point leaves `latest` on the previous complete checkpoint.
+    more: further (model, optimizer) pairs by name (a critic), in the same checkpoint. Written to
+    step_{step}.tmp, renamed when every rank is done, and only then is `latest` replaced, so a crash at any point
+    leaves `latest` on the previous complete checkpoint.
     """
     final = os.path.join(ckpt_dir, f"step_{step}")
     tmp = final + ".tmp"
@@ -240,8 +273,7 @@ def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, extra: dict, dis
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
         os.makedirs(tmp)
     barrier(dist)
-    model_state, optim_state = get_state_dict(model, optimizer)  # keyed by parameter name, DTensor shards
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    dcp.save(_state(model, optimizer, more), checkpoint_id=tmp)
     torch.save(extra, os.path.join(tmp, f"extra_rank{dist.rank}.pt"))
     barrier(dist)
     if dist.is_main:
@@ -273,27 +305,20 @@ def _resolve(path_or_dir: str) -> str:
     return path
 
 
-def load_checkpoint(path_or_dir: str, model, optimizer, dist: Dist) -> dict:
-    """Load a step folder (or the one a run's ckpt_dir/latest names) into model and optimizer (None: model only).
+def load_checkpoint(path_or_dir: str, model, optimizer, dist: Dist, more: dict[str, tuple] | None = None) -> dict:
+    """Load a step folder (or the one a run's ckpt_dir/latest names) into model and optimizer (None: model only),
+    and into the (model, optimizer) pairs of more by name, as save_checkpoint wrote them.
 
     Works whatever world size saved it: DCP reads each rank's slice of every named tensor. Returns `extra`.
     """
     path = _resolve(path_or_dir)
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        # get_state_dict creates AdamW's state (a zero-lr step) when none exists yet, so there is a target to load into
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+    state = _state(model, optimizer, more)
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, dcp.CheckpointException) as e:  # DCP's own error is a BaseException; it collects every
         # rank's read errors, so all ranks raise together
         raise RuntimeError(f"cannot read checkpoint {path}: {e}") from e
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _set_state(model, optimizer, state, more)
     own = os.path.join(path, f"extra_rank{dist.rank}.pt")
     # our own file; weights_only=False because extra may hold numpy RNG states
     return torch.load(own if os.path.isfile(own) else os.path.join(path, "extra_rank0.pt"), weights_only=False)

@@ -19,6 +19,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
+def assert_reward_rises(records: list[dict], by: float = 0.2):
+    """The mean training reward of a run's last 4 steps exceeds its first 4 steps' by more than `by`."""
+    rewards = [r["critic/score/mean"] for r in records if "critic/score/mean" in r]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + by, f"mean reward {first:.3f} (first 4 steps) -> {last:.3f} (last 4)"
+
+
 @pytest.fixture(scope="session")
 def char_tokenizer():
     """The built-in byte-level tokenizer (one token per byte) with its minimal chat template."""

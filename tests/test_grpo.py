@@ -10,8 +10,8 @@ import json
 import os
 
 import pytest
+from conftest import assert_reward_rises
 
-from grpo import grpo_advantages
 from hybrid_engine import HybridConfig
 from ppo import Config, train
 
@@ -19,16 +19,13 @@ from ppo import Config, train
 @pytest.fixture(scope="module")
 def run(tiny_rl_setup, tmp_path_factory):
     cfg = Config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6, lr=3e-3,
-                 total_steps=16, eval_every=8, out_dir=str(tmp_path_factory.mktemp("grpo") / "out"),
+                 total_steps=16, eval_every=8, out_dir=str(tmp_path_factory.mktemp("grpo") / "out"), adv_estimator="grpo",
                  hybrid=HybridConfig(verify_sync=True))  # every sync proven (raises otherwise)
-    return cfg, train(cfg, grpo_advantages)
+    return cfg, train(cfg)
 
 
 def test_reward_rises(run):
-    _, records = run
-    rewards = [r["critic/score/mean"] for r in records if "critic/score/mean" in r]
-    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-    assert last > first + 0.2, f"mean reward {first:.3f} (first 4 steps) -> {last:.3f} (last 4)"
+    assert_reward_rises(run[1])
 
 
 def test_run_outputs(run):

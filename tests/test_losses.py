@@ -1,5 +1,6 @@
-"""Hand-checked tests of the loss maths: ppo.py's masked_mean, agg_loss, policy_loss, tis_weights, kl_penalty,
-entropy_from_logits and grpo.py's group_advantages / grpo_advantages. Tiny tensors, no models.
+"""Hand-checked tests of the loss maths: ppo.py's masked_mean, agg_loss, policy_loss, tis_weights, value_loss,
+kl_penalty, entropy_from_logits, token rewards and the in-reward KL controller, GAE, REINFORCE++(-baseline),
+whitening, and grpo.py's group_advantages / grpo_advantages / rloo_advantages. Tiny tensors, no models.
     python -m pytest tests/test_losses.py -q
 
 Every expected value is written out by hand (literal numbers or scalar python with math), never by
@@ -12,11 +13,15 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from grpo import group_advantages, grpo_advantages
-from ppo import Config, agg_loss, entropy_from_logits, kl_penalty, masked_mean, policy_loss, tis_weights
+from comm import init_distributed
+from grpo import group_advantages, grpo_advantages, rloo_advantages
+from ppo import (ADVANTAGE_ESTIMATORS, Config, agg_loss, entropy_from_logits, gae, gae_advantages, kl_in_reward,
+                 kl_penalty, last_token, masked_mean, masked_whiten, policy_loss, reinforce_pp_advantages,
+                 tis_weights, update_kl_coef, value_loss)
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 EPS = 1e-6  # group_advantages' default eps
+DIST = init_distributed()  # one process: whitening statistics are this batch's
 
 
 def approx(x, rel=1e-6, abs=1e-6):
@@ -366,7 +371,8 @@ def test_grpo_advantages_broadcast_and_zero_padding(norm):
                          [1.0, 1.0, 0.0, 0.0]])
     batch = TensorDict(scores=torch.tensor([1.0, 0.0, 0.5, 2.5]), group=torch.tensor([0, 0, 1, 1]),
                        response_mask=mask, batch_size=[4])
-    adv = grpo_advantages(batch, Config(norm_adv_by_std=norm))
+    adv, returns = grpo_advantages(batch, Config(norm_adv_by_std=norm), DIST)
+    assert returns is adv  # no critic: verl's returns are the advantages
     assert adv.shape == (4, 4)
     s0, s1 = (math.sqrt(0.5) + EPS, math.sqrt(2.0) + EPS) if norm else (1.0, 1.0)
     a = [0.5 / s0, -0.5 / s0, -1.0 / s1, 1.0 / s1]
@@ -383,4 +389,210 @@ def test_grpo_advantages_default_config_normalises_by_std():
     batch = TensorDict(scores=torch.tensor([1.0, 0.0]), group=torch.tensor([0, 0]),
                        response_mask=torch.ones(2, 2), batch_size=[2])
     s = math.sqrt(0.5) + EPS
-    assert grpo_advantages(batch, Config()).flatten().tolist() == approx([0.5 / s, 0.5 / s, -0.5 / s, -0.5 / s])
+    adv = grpo_advantages(batch, Config(), DIST)[0]
+    assert adv.flatten().tolist() == approx([0.5 / s, 0.5 / s, -0.5 / s, -0.5 / s])
+
+
+def close(t: torch.Tensor, expected: list):
+    """t equals the hand-written nested list (padding included) within float rounding."""
+    torch.testing.assert_close(t, torch.tensor(expected, dtype=t.dtype), atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# value_loss
+# ---------------------------------------------------------------------------------------------------
+
+# (value, old value, return, real?) with cliprange_value 0.2
+VL_ROWS = [
+    [(0.9, 0.5, 1.0, 1),    # clipped to 0.7: (0.7 - 1)^2 = 0.09 > (0.9 - 1)^2 = 0.01 -> 0.5 * 0.09 = 0.045   (clipfrac)
+     (0.6, 0.5, 0.0, 1),    # inside the range: 0.5 * 0.36 = 0.18
+     (-0.3, 0.2, -0.5, 1),  # clipped to 0.0: (0.5)^2 = 0.25 > (0.2)^2 = 0.04 -> 0.125                  (clipfrac)
+     (9.0, 0.0, -9.0, 0)],  # padding
+    [(1.0, 0.0, 0.1, 1),    # clipped to 0.2 is nearer the return (0.01 < 0.81): the max keeps 0.5 * 0.81 = 0.405
+     (1.0, 0.0, 2.0, 1),    # clipped to 0.2: (1.8)^2 = 3.24 > 1 -> 1.62                                  (clipfrac)
+     (5.0, 0.0, -5.0, 0),
+     (5.0, 0.0, -5.0, 0)],
+]
+VL_TOKEN_LOSSES = [[0.045, 0.18, 0.125], [0.405, 1.62]]  # sum 2.375 over 5 tokens; row sums 0.35 and 2.025
+
+
+def _vl(rows):
+    v, old, ret, mask = (torch.tensor([[tok[i] for tok in row] for row in rows], dtype=torch.float64) for i in range(4))
+    return v, old, ret, mask
+
+
+def test_value_loss_clips_around_the_old_values_by_hand():
+    v, old, ret, mask = _vl(VL_ROWS)
+    loss, m = value_loss(v, old, ret, mask, 0.2, "token-mean")
+    assert loss.item() == approx(2.375 / 5)
+    assert m["critic/vf_clipfrac"] == approx(3 / 5)
+    assert m["critic/vpred_mean"] == approx((0.9 + 0.6 - 0.3 + 1.0 + 1.0) / 5)
+    assert value_loss(v, old, ret, mask, 0.2, "seq-mean-token-sum")[0].item() == approx((0.35 + 2.025) / 2)
+    assert value_loss(v, old, ret, mask, 0.2, "token-mean", n_tokens=10)[0].item() == approx(2.375 / 10)
+
+
+def test_value_loss_wide_clip_is_half_the_squared_error():
+    v, old, ret, mask = _vl(VL_ROWS)
+    loss, m = value_loss(v, old, ret, mask, 100.0, "token-mean")
+    assert loss.item() == approx(0.5 * (0.01 + 0.36 + 0.04 + 0.81 + 1.0) / 5)
+    assert m["critic/vf_clipfrac"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# token rewards, the in-reward KL penalty and its controller
+# ---------------------------------------------------------------------------------------------------
+
+# rows of 3, 2 and 4 real tokens (R = 4)
+ADV_MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0],
+                         [1.0, 1.0, 0.0, 0.0],
+                         [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+
+
+def test_last_token_places_the_score_on_each_rows_last_real_token():
+    out = last_token(torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64), ADV_MASK)
+    assert out.tolist() == [[0.0, 0.0, 1.0, 0.0], [0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]]
+    empty = torch.tensor([[1.0, 0.0], [0.0, 0.0]])  # a row without response tokens gets no reward
+    assert last_token(torch.tensor([3.0, 4.0]), empty).tolist() == [[3.0, 0.0], [0.0, 0.0]]
+
+
+def test_kl_in_reward_by_hand():
+    mask = ADV_MASK[:2]
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -9.0], [-0.25, -3.0, -9.0, -9.0]], dtype=torch.float64)
+    ref = torch.tensor([[-2.0, -1.0, -0.5, 0.0], [-0.75, -1.0, 0.0, 0.0]], dtype=torch.float64)
+    # k1 = logp - ref: [[1, -1, 0, pad], [0.5, -2, pad, pad]]; per-response means 0 and -0.75
+    batch = TensorDict(old_log_probs=logp, ref_log_probs=ref, response_mask=mask,
+                       token_level_rewards=last_token(torch.tensor([1.0, 0.0], dtype=torch.float64), mask),
+                       batch_size=[2])
+    rewards, mean_kl = kl_in_reward(batch, 0.1, "k1")
+    close(rewards, [[-0.1, 0.1, 1.0, 0.0], [-0.05, 0.2, 0.0, 0.0]])
+    assert mean_kl == approx((0.0 - 0.75) / 2)
+
+
+@pytest.mark.parametrize("kl, expected", [
+    (0.15, 0.2 * (1 + 0.2 * 256 / 1024)),   # error 0.5 clipped to +0.2 -> 0.21
+    (0.11, 0.2 * (1 + 0.1 * 256 / 1024)),   # error 0.1 -> 0.205
+    (0.10, 0.2),                            # on target: unchanged
+    (0.0, 0.2 * (1 - 0.2 * 256 / 1024)),    # error -1 clipped to -0.2 -> 0.19
+])
+def test_adaptive_kl_coefficient_after_one_update(kl, expected):
+    cfg = Config(kl_ctrl_type="adaptive", kl_target=0.1, kl_horizon=1024)
+    assert update_kl_coef(0.2, kl, 256, cfg) == approx(expected)
+    assert update_kl_coef(0.2, kl, 256, Config(kl_ctrl_type="fixed")) == 0.2
+
+
+# ---------------------------------------------------------------------------------------------------
+# GAE, whitening, REINFORCE++
+# ---------------------------------------------------------------------------------------------------
+
+# rows of 3 and 2 real tokens; padding carries garbage that must not leak
+GAE_MASK = ADV_MASK[:2]
+GAE_REWARDS = torch.tensor([[0.0, 0.0, 1.0, 7.0], [0.0, 0.5, 7.0, 7.0]], dtype=torch.float64)
+GAE_VALUES = torch.tensor([[0.2, 0.4, 0.6, 5.0], [0.1, 0.3, 5.0, 5.0]], dtype=torch.float64)
+
+
+def test_gae_with_gamma_lambda_one_is_reward_to_go_minus_value():
+    adv, ret = gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, 1.0, 1.0)
+    # reward-to-go: [1, 1, 1] and [0.5, 0.5]
+    close(adv, [[0.8, 0.6, 0.4, 0.0], [0.4, 0.2, 0.0, 0.0]])
+    close(ret, [[1.0, 1.0, 1.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
+
+
+def test_gae_discounted_by_hand():
+    # row 0, gamma 0.9, lambda 0.8: deltas d2 = 1 - 0.6 = 0.4, d1 = 0.9 * 0.6 - 0.4 = 0.14, d0 = 0.9 * 0.4 - 0.2 = 0.16
+    # A2 = 0.4, A1 = 0.14 + 0.72 * 0.4 = 0.428, A0 = 0.16 + 0.72 * 0.428 = 0.46816
+    # row 1: d1 = 0.5 - 0.3 = 0.2, d0 = 0.9 * 0.3 - 0.1 = 0.17; A1 = 0.2, A0 = 0.17 + 0.72 * 0.2 = 0.314
+    adv, ret = gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, 0.9, 0.8)
+    close(adv, [[0.46816, 0.428, 0.4, 0.0], [0.314, 0.2, 0.0, 0.0]])
+    close(ret, [[0.66816, 0.828, 1.0, 0.0], [0.414, 0.5, 0.0, 0.0]])
+    # lambda 0: one-step TD errors
+    close(gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, 0.9, 0.0)[0], [[0.16, 0.14, 0.4, 0.0], [0.17, 0.2, 0.0, 0.0]])
+
+
+def _whiten_by_hand(xs):
+    mean = sum(xs) / len(xs)
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) + 1e-8)  # unbiased, as torch.var
+    return [(x - mean) / std for x in xs]
+
+
+def test_masked_whiten_over_real_tokens_only():
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 5.0, -100.0, 100.0]], dtype=torch.float64)
+    out = masked_whiten(x, GAE_MASK, DIST)
+    w = _whiten_by_hand([1.0, 2.0, 3.0, 4.0, 5.0])  # mean 3, var 10 / 4 = 2.5
+    close(out, [[w[0], w[1], w[2], 0.0], [w[3], w[4], 0.0, 0.0]])
+
+
+def test_gae_advantages_whitened_and_returns_raw():
+    batch = TensorDict(token_level_rewards=GAE_REWARDS, values=GAE_VALUES, response_mask=GAE_MASK, batch_size=[2])
+    adv, ret = gae_advantages(batch, Config(gamma=1.0, lam=1.0), DIST)
+    w = _whiten_by_hand([0.8, 0.6, 0.4, 0.4, 0.2])
+    close(adv, [[w[0], w[1], w[2], 0.0], [w[3], w[4], 0.0, 0.0]])
+    close(ret, [[1.0, 1.0, 1.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
+
+
+def test_reinforce_pp_discounted_return_of_token_rewards():
+    # token rewards with a KL penalty on each token: row 0 [-0.1, -0.2, 1 - 0.1], row 1 [0.05, 0.5 - 0.05]
+    rewards = torch.tensor([[-0.1, -0.2, 0.9, 7.0], [0.05, 0.45, 7.0, 7.0]], dtype=torch.float64)
+    batch = TensorDict(token_level_rewards=rewards, response_mask=GAE_MASK, batch_size=[2])
+    adv, ret = reinforce_pp_advantages(batch, Config(gamma=1.0), DIST)
+    close(ret, [[0.6, 0.7, 0.9, 0.0], [0.5, 0.45, 0.0, 0.0]])
+    w = _whiten_by_hand([0.6, 0.7, 0.9, 0.5, 0.45])
+    close(adv, [[w[0], w[1], w[2], 0.0], [w[3], w[4], 0.0, 0.0]])
+    # gamma 0.5: G2 = 0.9, G1 = -0.2 + 0.45 = 0.25, G0 = -0.1 + 0.125 = 0.025; G1 = 0.45, G0 = 0.05 + 0.225 = 0.275
+    ret = reinforce_pp_advantages(batch, Config(gamma=0.5), DIST)[1]
+    close(ret, [[0.025, 0.25, 0.9, 0.0], [0.275, 0.45, 0.0, 0.0]])
+
+
+def test_reinforce_pp_baseline_subtracts_the_group_mean_score():
+    # groups {0, 1} with scores 1, 0 (mean 0.5) and {2, 3} with 0.5, 0.3 (mean 0.4); row 0 and 3 carry a KL penalty
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    rewards = torch.tensor([[-0.1, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.5], [-0.2, 0.3, 0.0]], dtype=torch.float64)
+    batch = TensorDict(token_level_rewards=rewards, response_mask=mask, scores=torch.tensor([1.0, 0.0, 0.5, 0.3]),
+                       group=torch.tensor([0, 0, 1, 1]), batch_size=[4])
+    adv, ret = ADVANTAGE_ESTIMATORS["reinforce_plus_plus_baseline"](batch, Config(gamma=1.0), DIST)
+    # centred scores 0.5, -0.5, 0.1, -0.1 replace the last-token scores; returns are the rewards-to-go
+    expected = [[0.4, 0.5], [-0.5], [0.1, 0.1, 0.1], [-0.3, -0.1]]
+    assert [r[: len(e)] for r, e in zip(ret.tolist(), expected)] == [approx(e) for e in expected]
+    w = iter(_whiten_by_hand([x for e in expected for x in e]))
+    assert [r[: len(e)] for r, e in zip(adv.tolist(), expected)] == [approx([next(w) for _ in e]) for e in expected]
+    assert (adv[mask == 0] == 0).all() and (ret[mask == 0] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# rloo_advantages
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_rloo_leave_one_out_baseline_by_hand():
+    # interleaved groups: group 0 at rows 0, 2, 4, 6 with rewards [1, 0, 0, 1]; group 1 at rows 1, 3, 5 with
+    # [0.5, 2, -1]. A reward of 1 in group 0 faces the others' mean (0 + 0 + 1) / 3 = 1/3 -> 2/3; a 0 faces
+    # 2/3 -> -2/3. Group 1: 0.5 faces (2 - 1) / 2 = 0.5 -> 0; 2 faces (0.5 - 1) / 2 = -0.25 -> 2.25; -1 faces
+    # (0.5 + 2) / 2 = 1.25 -> -2.25.
+    scores = torch.tensor([1.0, 0.5, 0.0, 2.0, 0.0, -1.0, 1.0])
+    group = torch.tensor([0, 1, 0, 1, 0, 1, 0])
+    mask = torch.tensor([[1.0, 1.0, 0.0]] * 7)
+    batch = TensorDict(scores=scores, group=group, response_mask=mask, batch_size=[7])
+    adv, ret = rloo_advantages(batch, Config(adv_estimator="rloo"), DIST)
+    expected = [2 / 3, 0.0, -2 / 3, 2.25, -2 / 3, -2.25, 2 / 3]
+    assert adv[:, 0].tolist() == approx(expected) and adv[:, 1].tolist() == approx(expected)
+    assert (adv[:, 2] == 0).all() and ret is adv
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config checks of the new fields
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(adv_estimator="grpo", use_kl_in_reward=True), "use_kl_in_reward"),
+    (dict(adv_estimator="rloo", use_kl_in_reward=True), "use_kl_in_reward"),
+    (dict(adv_estimator="grpo", critic_warmup=3), "critic_warmup"),
+    (dict(adv_estimator="rloo", rollout_n=1), "rollout_n"),
+    (dict(gamma=1.5), "gamma"),
+    (dict(lam=-0.1), "lam"),
+    (dict(cliprange_value=0.0), "cliprange_value"),
+    (dict(kl_horizon=0), "kl_horizon"),
+    (dict(critic_warmup=-1), "critic_warmup"),
+])
+def test_config_rejects_bad_combinations_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        Config(**kwargs)

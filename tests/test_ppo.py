@@ -1,14 +1,16 @@
-"""The actor worker's update on a real batch (HF rollout backend, so no engine is needed):
+"""The actor and critic workers on a real batch (HF rollout backend, so no engine is needed):
 
     python -m pytest tests/test_ppo.py -q
 """
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from grpo import grpo_advantages
 from comm import init_distributed
-from ppo import ActorWorker, Config
+from ppo import ActorWorker, Config, CriticWorker
 from sft import SFTConfig, build_tiny_qwen2
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -31,7 +33,7 @@ def make_batch(worker: ActorWorker, seed: int = 0):
     batch["group"] = torch.arange(len(prompts)).repeat_interleave(worker.cfg.rollout_n)
     batch["scores"] = batch["response_mask"].sum(-1) % 3 / 2.0  # any reward that differs within groups
     batch["old_log_probs"] = worker.log_probs(batch)
-    batch["advantages"] = grpo_advantages(batch, worker.cfg)
+    batch["advantages"] = grpo_advantages(batch, worker.cfg, worker.dist)[0]
     return batch
 
 
@@ -85,3 +87,62 @@ def test_tis_weights_reach_the_update(model_path):
     assert metrics["actor/tis_clipfrac"] == 0.0
     with pytest.raises(ValueError, match="tis_cap"):
         Config(tis_cap=0.0)
+
+
+@pytest.fixture(scope="module")
+def critic_setup(model_path):
+    """A sampled batch whose returns are the scores on every response token (gamma = lambda = 1, no KL)."""
+    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+                 max_response_length=6, critic_lr=1e-2)
+    batch = make_batch(ActorWorker(cfg, model_path, init_distributed()))
+    batch["returns"] = batch["scores"].unsqueeze(-1) * batch["response_mask"]  # [B, R]
+    return cfg, batch
+
+
+def test_critic_values_sit_before_each_response_token(model_path, critic_setup):
+    cfg, batch = critic_setup
+    critic = CriticWorker(cfg, model_path, init_distributed())
+    values = critic.values(batch)  # [B, R]
+    with torch.no_grad():
+        out = critic.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           position_ids=batch["position_ids"]).logits[..., 0]  # [B, P + R]
+    P = batch["prompts"].shape[1]  # prompts are left-padded: position P - 1 is every row's last prompt token
+    for b, n in enumerate(batch["response_mask"].sum(-1).int().tolist()):
+        torch.testing.assert_close(values[b, :n], out[b, P - 1 : P - 1 + n])  # the state before response token t
+        assert (values[b, n:] == 0).all()
+    critic.remove_padding = True  # packed micro-batches (sdpa keeps the sequences apart): the same values
+    torch.testing.assert_close(critic.values(batch), values, atol=1e-5, rtol=0)
+
+
+def test_critic_head_initialisation_is_seeded(model_path, critic_setup):
+    cfg, batch = critic_setup
+    first, second = (CriticWorker(cfg, model_path, init_distributed()).values(batch) for _ in range(2))
+    assert (first == second).all()
+    rng = torch.get_rng_state()
+    CriticWorker(Config(model_path=model_path, seed=1), model_path, init_distributed())
+    assert (torch.get_rng_state() == rng).all(), "loading the critic must leave the global RNG alone"
+
+
+def test_critic_micro_batches_give_the_whole_batch_update(model_path, critic_setup):
+    cfg, batch = critic_setup
+    results = []
+    for micro in (3, 16):
+        critic = CriticWorker(replace(cfg, ppo_micro_batch_size=micro), model_path, init_distributed())
+        batch["values"] = critic.values(batch)
+        metrics = critic.update(batch)
+        results.append((metrics, {k: v.detach().clone() for k, v in critic.model.named_parameters()}))
+    (m_micro, p_micro), (m_whole, p_whole) = results
+    for k in p_whole:
+        torch.testing.assert_close(p_micro[k], p_whole[k], atol=1e-5, rtol=1e-4)
+    for k in ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac"):
+        assert m_micro[k] == pytest.approx(m_whole[k], rel=1e-4, abs=1e-6), k
+
+
+def test_critic_fits_the_returns(model_path, critic_setup):
+    cfg, batch = critic_setup
+    critic = CriticWorker(cfg, model_path, init_distributed())
+    losses = []
+    for _ in range(30):  # as the loop does: the old values are the critic's own before each update
+        batch["values"] = critic.values(batch)
+        losses.append(critic.update(batch)["critic/vf_loss"])
+    assert losses[-1] < 0.2 * losses[0], losses

@@ -1,4 +1,4 @@
-"""grpo.py as a user runs it: torchrun with 2 ranks (gloo, one vLLM engine per rank), and resumption.
+"""grpo.py and ppo.py as a user runs them: torchrun with 2 ranks (gloo, one vLLM engine per rank), and resumption.
 
     python -m pytest tests/test_spmd.py -q
 
@@ -6,6 +6,8 @@
 - A run killed after a checkpoint and resumed with resume=auto replays the uninterrupted run: same per-step
   rewards, same final parameters.
 - A checkpoint written by 2 ranks resumes in 1 process.
+- PPO with a critic on 2 ranks: values, returns and advantages (whitened over both ranks) of the first step equal
+  one process's; its checkpoint (actor, critic, KL controller) resumes in 1 process.
 """
 
 import json
@@ -19,6 +21,8 @@ import time
 import pytest
 from safetensors.torch import load_file
 
+from ppo import Config, update_kl_coef
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}  # two ranks share 2 cores
 
@@ -29,16 +33,16 @@ def args(setup: dict, out_dir, **overrides) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()] + ["--hybrid.verify-sync"]  # every sync proven
 
 
-def grpo(argv: list[str], log_path, ranks: int = 1, wait: bool = True):
-    """Run grpo.py (under torchrun when ranks > 1), its output in log_path (a file: a pipe could fill and block)."""
+def launch(argv: list[str], log_path, ranks: int = 1, wait: bool = True, script: str = "grpo.py"):
+    """Run script (under torchrun when ranks > 1), its output in log_path (a file: a pipe could fill and block)."""
     if ranks == 1:
-        cmd = [sys.executable, os.path.join(ROOT, "grpo.py")]
+        cmd = [sys.executable, os.path.join(ROOT, script)]
     else:
         with socket.socket() as s:  # a free port for the rendezvous
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-               f"--master_port={port}", os.path.join(ROOT, "grpo.py")]
+               f"--master_port={port}", os.path.join(ROOT, script)]
     with open(log_path, "a") as log:
         proc = subprocess.Popen(cmd + argv, env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -59,12 +63,12 @@ def final_weights(out_dir) -> dict:
 @pytest.fixture(scope="module")
 def two_ranks(tiny_rl_setup, tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
-    grpo(args(tiny_rl_setup, out, total_steps=2, ckpt_every=2), out / "log", ranks=2)
+    launch(args(tiny_rl_setup, out, total_steps=2, ckpt_every=2), out / "log", ranks=2)
     return out
 
 
 def test_two_ranks_log_what_one_process_logs(tiny_rl_setup, two_ranks, tmp_path):
-    grpo(args(tiny_rl_setup, tmp_path, total_steps=2), tmp_path / "log")
+    launch(args(tiny_rl_setup, tmp_path, total_steps=2), tmp_path / "log")
     one, two = records(tmp_path), records(two_ranks)
     assert [r.keys() for r in one] == [r.keys() for r in two]
     assert one[0]["val/accuracy"] == two[0]["val/accuracy"]  # the same initial weights, greedy
@@ -74,15 +78,15 @@ def test_two_ranks_log_what_one_process_logs(tiny_rl_setup, two_ranks, tmp_path)
 
 
 def test_two_rank_checkpoint_resumes_in_one_process(tiny_rl_setup, two_ranks):
-    grpo(args(tiny_rl_setup, two_ranks, total_steps=3, ckpt_every=2), two_ranks / "log_resume")
+    launch(args(tiny_rl_setup, two_ranks, total_steps=3, ckpt_every=2), two_ranks / "log_resume")
     assert "resumed from" in open(two_ranks / "log_resume").read() and "step_2" in open(two_ranks / "log_resume").read()
     assert [r["step"] for r in records(two_ranks)] == [0, 1, 2, 3]
 
 
 def test_killed_run_resumes_exactly(tiny_rl_setup, tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    grpo(args(tiny_rl_setup, whole, total_steps=6, ckpt_every=2), tmp_path / "whole.log")
-    proc = grpo(args(tiny_rl_setup, broken, total_steps=6, ckpt_every=2), tmp_path / "broken.log", wait=False)
+    launch(args(tiny_rl_setup, whole, total_steps=6, ckpt_every=2), tmp_path / "whole.log")
+    proc = launch(args(tiny_rl_setup, broken, total_steps=6, ckpt_every=2), tmp_path / "broken.log", wait=False)
     latest = broken / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and proc.poll() is None and time.time() < deadline:
@@ -90,7 +94,7 @@ def test_killed_run_resumes_exactly(tiny_rl_setup, tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # the whole process group, mid-run
     proc.wait()
     assert latest.exists() and not (broken / "final").exists(), "the run must die after a checkpoint, before its end"
-    grpo(args(tiny_rl_setup, broken, total_steps=6, ckpt_every=2), tmp_path / "resumed.log")  # resume=auto
+    launch(args(tiny_rl_setup, broken, total_steps=6, ckpt_every=2), tmp_path / "resumed.log")  # resume=auto
     assert "resumed from" in open(tmp_path / "resumed.log").read()
     a, b = records(whole), records(broken)
     assert [r["step"] for r in b] == list(range(7))
@@ -98,3 +102,29 @@ def test_killed_run_resumes_exactly(tiny_rl_setup, tmp_path):
     wa, wb = final_weights(whole), final_weights(broken)
     for name in wa:
         assert (wa[name] - wb[name]).abs().max() <= 1e-6, name
+
+
+def test_ppo_two_ranks_match_one_process_and_resume_in_one(tiny_rl_setup, tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    kl = ["--use-kl-in-reward", "--kl-ctrl-type=adaptive", "--kl-horizon=100"]  # a coefficient that moves
+    launch(args(tiny_rl_setup, two, total_steps=2, ckpt_every=2, critic_warmup=1) + kl, tmp_path / "two.log", ranks=2,
+           script="ppo.py")
+    launch(args(tiny_rl_setup, one, total_steps=2, critic_warmup=1) + kl, tmp_path / "one.log", script="ppo.py")
+    a, b = records(one), records(two)
+    assert [r.keys() for r in a] == [r.keys() for r in b]
+    # step 1: the same responses and initial critic; max/min reduce exactly across ranks, and the advantages'
+    # extremes agree only if both ranks whiten with the statistics of the whole batch
+    for key in ("critic/score/mean", "critic/values/max", "critic/values/min", "critic/returns/max",
+                "critic/returns/min", "critic/advantages/max", "critic/advantages/min"):
+        assert a[1][key] == pytest.approx(b[1][key], abs=1e-5), key
+    # the 2-rank checkpoint (actor, critic and the KL coefficient) resumes in one process
+    launch(args(tiny_rl_setup, two, total_steps=3, ckpt_every=2, critic_warmup=1) + kl, tmp_path / "resume.log",
+           script="ppo.py")
+    assert "resumed from" in open(tmp_path / "resume.log").read()
+    b = records(two)
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    cfg = Config(kl_ctrl_type="adaptive", kl_horizon=100)
+    expected = update_kl_coef(b[2]["actor/reward_kl_penalty_coeff"], b[2]["actor/reward_kl_penalty"],
+                              8 * 4, cfg)  # train_batch_size x rollout_n responses
+    assert b[3]["actor/reward_kl_penalty_coeff"] == pytest.approx(expected, rel=1e-12)
+    assert b[3]["actor/reward_kl_penalty_coeff"] != cfg.kl_coef
