@@ -159,7 +159,7 @@ class Config:
     """Workload of a sequence for balance_batch: its token count, or a FLOP estimate (long sequences weigh more)."""
     ppo_epochs: int = 1
     """Passes over each RL batch."""
-    total_steps: int = 450
+    total_steps: int = 200
     """RL steps."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 sharding of actor and reference over the data-parallel ranks (torchrun); unused in one process."""

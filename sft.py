@@ -82,7 +82,7 @@ class SFTConfig:
     """Held-out problems per evaluation."""
     stop_accuracy: float = 0.9
     """Stop at the first evaluation whose greedy accuracy reaches this (0 disables: run max_steps)."""
-    teacher_slip: float = 0.7
+    teacher_slip: float = 0.8
     """Built-in task: after stop_accuracy, train on a sloppy teacher that forgets each carry with this chance
     (data/arith.py), so the warm start can add but mostly drops carries: RL has a habit to unlearn (0: skip)."""
     habit_steps: int = 300
