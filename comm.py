@@ -86,9 +86,9 @@ def init_distributed(timeout_s: int = 1800, tp_size: int = 1) -> Dist:
 def _reduce_op(key: str, sum_keys) -> str:
     if key in sum_keys:
         return "sum"
-    if key.endswith("/max") or "max_memory" in key:
+    if key.endswith(("/max", "_max")) or "max_memory" in key:  # e.g. rollout/logprob_diff_max
         return "max"
-    if key.endswith("/min"):
+    if key.endswith(("/min", "_min")):
         return "min"
     return "mean"
 

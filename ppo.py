@@ -139,7 +139,8 @@ class Config:
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per epoch."""
     ppo_micro_batch_size: int = 64
-    """Sequences per forward/backward pass (gradient accumulation); also the log-prob pass size."""
+    """Sequences per forward/backward pass (gradient accumulation), actor and critic; also the log-prob and
+    value passes' size."""
     use_dynamic_bsz: bool = False
     """Micro-batches by token budget (ppo_max_token_len_per_gpu) instead of ppo_micro_batch_size sequences;
     the same gradient, less padding (batching.py)."""
@@ -162,7 +163,7 @@ class Config:
     total_steps: int = 200
     """RL steps."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP2 sharding of actor and reference over the data-parallel ranks (torchrun); unused in one process."""
+    """FSDP2 sharding of actor, reference and critic over the data-parallel ranks (torchrun); unused in one process."""
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     """The weight sync into the rollout engine (hybrid_engine.py): bucket size, offload, verification."""
     dist_timeout_s: int = 1800
@@ -216,8 +217,13 @@ class Config:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         if self.kl_horizon < 1:
             raise ValueError(f"kl_horizon={self.kl_horizon} must be >= 1")
-        if self.critic_warmup < 0:
-            raise ValueError(f"critic_warmup={self.critic_warmup} must be >= 0")
+        if not 0 <= self.critic_warmup < self.total_steps:
+            raise ValueError(f"critic_warmup={self.critic_warmup} must be in [0, total_steps={self.total_steps}): "
+                             "the actor trains only after it")
+        if self.hybrid.verify_sync and self.hybrid.probe_len >= self.max_prompt_length + self.max_response_length:
+            context = self.max_prompt_length + self.max_response_length
+            raise ValueError(f"hybrid.probe_len={self.hybrid.probe_len} must be below the engine's context "
+                             f"(max_prompt_length + max_response_length = {context})")
         if self.adv_estimator != "gae" and (self.critic_warmup or self.critic_model_path):
             raise ValueError(f"critic_warmup / critic_model_path need a critic: adv_estimator={self.adv_estimator!r} "
                              "has none (use gae)")
@@ -548,7 +554,7 @@ class Worker:
 
 
 class ActorWorker(Worker):
-    """The colocated actor: generates with its rollout engine, computes log-probs, updates, syncs weights."""
+    """The colocated actor: generates with its rollout engine (fed by the hybrid engine), log-probs, updates."""
 
     role = "actor"
 
@@ -724,8 +730,10 @@ def resume(cfg: Config, worker: ActorWorker, critic: CriticWorker | None,
         for group in opt.param_groups:  # the optimizer state resumes; the learning rate is this run's
             group["lr"] = lr
     torch.set_rng_state(extra["rng"])  # the engine gets the loaded weights at the next switch to rollout mode
-    print(f"resumed from {path} at step {extra['step']}")
-    return extra["step"] + 1, extra["records"], extra["kl_coef"] if cfg.kl_ctrl_type == "adaptive" else cfg.kl_coef
+    if worker.dist.is_main:
+        print(f"resumed from {path} at step {extra['step']}")
+    kl_coef = extra.get("kl_coef", cfg.kl_coef) if cfg.kl_ctrl_type == "adaptive" else cfg.kl_coef
+    return extra["step"] + 1, extra["records"], kl_coef
 
 
 def critic_state(critic: CriticWorker | None) -> dict | None:

@@ -220,7 +220,10 @@ class HFRollout:
         return RolloutOutput(responses, log_probs)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """No-op: generation runs on the trainer's model itself."""
+        """Nothing to load: generation runs on the trainer's model itself. The stream is still read, so the
+        hybrid engine's checksums (taken as each tensor is handed over) see every parameter."""
+        for _ in weights:
+            pass
 
     @torch.no_grad()
     def prompt_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:

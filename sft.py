@@ -104,6 +104,8 @@ class SFTConfig:
             raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
         if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
             raise ValueError("batch_size, max_steps and eval_every must be >= 1")
+        if self.habit_steps < 0:
+            raise ValueError(f"habit_steps={self.habit_steps} must be >= 0 (0: no sloppy-teacher phase)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -263,7 +265,7 @@ def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir
         return step
 
     steps = fit(pairs, cfg.max_steps, cfg.stop_accuracy, "sft")
-    if habit_pairs:
+    if habit_pairs and cfg.habit_steps:
         steps += fit(habit_pairs, cfg.habit_steps, 0.0, "sft on the sloppy teacher")
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

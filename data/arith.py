@@ -141,7 +141,7 @@ def make_splits(cfg: ArithConfig) -> tuple[list[dict], list[dict]]:
 
 
 def sft_response(row: dict) -> str:
-    """The target response for a supervised warm start: the teacher's answer (see teacher_answer)."""
+    """The sloppy teacher's response (teacher_sum): what the built-in warm start's second phase trains on."""
     return row["extra_info"]["teacher_answer"]
 
 

@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from comm import init_distributed
+from hybrid_engine import HybridConfig
 from grpo import group_advantages, grpo_advantages, rloo_advantages
 from ppo import (ADVANTAGE_ESTIMATORS, Config, agg_loss, entropy_from_logits, gae, gae_advantages, kl_in_reward,
                  kl_penalty, last_token, masked_mean, masked_whiten, policy_loss, reinforce_pp_advantages,
@@ -592,6 +593,8 @@ def test_rloo_leave_one_out_baseline_by_hand():
     (dict(cliprange_value=0.0), "cliprange_value"),
     (dict(kl_horizon=0), "kl_horizon"),
     (dict(critic_warmup=-1), "critic_warmup"),
+    (dict(critic_warmup=10, total_steps=10), "critic_warmup"),  # the actor would never train
+    (dict(hybrid=HybridConfig(verify_sync=True, probe_len=40)), "hybrid.probe_len"),  # 32 + 8 tokens of context
 ])
 def test_config_rejects_bad_combinations_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

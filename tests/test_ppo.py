@@ -10,6 +10,7 @@ import torch
 
 from grpo import grpo_advantages
 from comm import init_distributed
+from hybrid_engine import HybridConfig
 from ppo import ActorWorker, Config, CriticWorker
 from sft import SFTConfig, build_tiny_qwen2
 
@@ -74,6 +75,17 @@ def test_non_finite_gradient_skips_the_step(model_path):
     after = params(worker)
     assert all(torch.isfinite(v).all() for v in after.values())
     assert any((before[k] - after[k]).abs().max() > 0 for k in before), "the second, finite mini-batch must still step"
+
+
+def test_hf_rollout_passes_sync_verification(model_path):
+    """HF generate runs on the trainer's model, yet the hybrid engine's checksums must still see every weight."""
+    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=2, max_response_length=6,
+                 hybrid=HybridConfig(verify_sync=True))
+    worker = ActorWorker(cfg, model_path, init_distributed())
+    metrics = {}
+    with worker.hybrid.rollout_mode(metrics):  # raises, naming a parameter, if a checksum or the probe disagrees
+        pass
+    assert metrics["reshard/buckets"] >= 1 and metrics["reshard/probe_logprob_diff_max"] == 0.0
 
 
 def test_tis_weights_reach_the_update(model_path):

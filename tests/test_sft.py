@@ -9,6 +9,12 @@ from data.arith import ArithConfig, write_parquet
 from sft import SFTConfig, build_tiny_qwen2, greedy_accuracy, read_sft_rows, train
 
 
+@pytest.mark.parametrize("field, value", [("stop_accuracy", 1.5), ("teacher_slip", -0.1), ("habit_steps", -1)])
+def test_sft_config_rejects(field, value):
+    with pytest.raises(ValueError, match=field):
+        SFTConfig(**{field: value})
+
+
 def test_read_sft_rows_names_the_missing_field(tmp_path):
     train_file, _ = write_parquet(ArithConfig(out_dir=str(tmp_path), n_train=4, n_val=2))
     pairs = read_sft_rows(train_file, "prompt", "extra_info.answer")
