@@ -31,7 +31,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
 from batching import balance_ranks, flops_workload, map_micro_batches, micro_batches, pack, packing_works, unpack
-from comm import Dist, broadcast_object, init_distributed, reduce_metrics, shutdown, timer
+from comm import Dist, barrier, broadcast_object, init_distributed, reduce_metrics, shutdown, timer
 from data import RLDataset, load_reward_fn
 from grpo import group_advantages, grpo_advantages, rloo_advantages
 from hybrid_engine import HybridConfig, HybridEngine
@@ -863,6 +863,8 @@ def train(cfg: Config) -> list[dict]:
         log.close()
         print(f"held-out greedy accuracy: {records[0]['val/accuracy']:.3f} -> {records[-1]['val/accuracy']:.3f}; "
               f"outputs in {cfg.out_dir}")
+    barrier(dist)  # the last collective: closing the engine destroys the default process group (vLLM's cleanup)
+    worker.rollout.close()
     shutdown(dist)
     return records
 

@@ -53,7 +53,7 @@ def make_rollout(backend: str, *, model_path: str, model, tokenizer, max_model_l
 
 class VLLMRollout:
     """An in-process vLLM engine. Keep it alive for the whole run: its shutdown destroys the default
-    process group (see CPU-NOTES), so there is deliberately no cleanup here."""
+    process group (see CPU-NOTES), so close() comes after the run's last collective."""
 
     def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0, dtype: str = "float32"):
         # In-process engine: starts in seconds, and its worker (hence its weights) is reachable from here.
@@ -110,6 +110,11 @@ class VLLMRollout:
         worker = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
         worker.reload_weights(weights_iterator=self._with_tied_head(weights) if self.tied else weights)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def close(self) -> None:
+        """Shut the engine down now, after the last collective. Its cleanup also destroys torch's default process
+        group; left to interpreter exit, it would find that group already destroyed and print a traceback."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     @staticmethod
     def _with_tied_head(weights: Iterable[tuple[str, torch.Tensor]]):
@@ -181,6 +186,9 @@ class HFRollout:
         eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    def close(self) -> None:
+        """Nothing to release: the model is the trainer's."""
 
     def left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         T = max(len(p) for p in prompts)
