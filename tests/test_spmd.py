@@ -44,11 +44,15 @@ def launch(argv: list[str], log_path, ranks: int = 1, wait: bool = True, script:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
                f"--master_port={port}", os.path.join(ROOT, script)]
     with open(log_path, "a") as log:
+        start = log.tell()
         proc = subprocess.Popen(cmd + argv, env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
     if wait:
         proc.wait(timeout=300)
-        assert proc.returncode == 0, open(log_path).read()[-3000:]
+        with open(log_path) as log:
+            output = log.read()[start:]
+        assert proc.returncode == 0, output[-3000:]
+        assert "Traceback" not in output, output[-3000:]  # e.g. vLLM's shutdown after the process group is gone
     return proc
 
 
