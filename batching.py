@@ -12,7 +12,7 @@ This file splits, packs, unpacks and balances; it knows nothing about RL. The AP
     parts = micro_batches(seqlens, max_tokens, dist)           # index lists, <= max_tokens each, same count on all ranks
     out = map_micro_batches(fn, batch, parts)                   # fn on each micro-batch, rows back in batch order
     packed = pack(input_ids, attention_mask)                    # [b, T] -> one row [1, N], position_ids restart
-    keep = packed.where[:, -R - 1 : -1] >= 0                    # [b, R]: the positions that predict the response
+    keep = (packed.where[:, -R - 1 : -1] >= 0) & response_mask  # [b, R]: the positions that predict response tokens
     values = unpack(per_token[packed.where[keep]], keep)        # [N, ...] -> [b, R, ...], 0 at padding
     packing_works(model)                                        # does the attention keep packed sequences apart?
 
@@ -226,7 +226,7 @@ def unpack(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Per-token outputs [n, ...] of the positions where keep [b, t] is True back to a padded [b, t, ...] (0 elsewhere).
 
     The caller picks the packed rows first, x = out[packed.where[keep]], e.g. keep = the positions that predict a
-    response token (packed.where[:, -R - 1 : -1] >= 0): a model's V-wide logits are computed on for those only.
+    response token ((packed.where[:, -R - 1 : -1] >= 0) & response_mask): V-wide logits are computed for those only.
     """
     out = x.new_zeros(*keep.shape, *x.shape[1:])  # [b, t, ...]
     out[keep] = x

@@ -122,7 +122,7 @@ def barrier(dist: Dist) -> None:
 
 
 def shutdown(dist: Dist) -> None:
-    """Barrier then destroy the group: without the barrier a rank occasionally aborts at exit (CPU-NOTES).
+    """Barrier then destroy the group: without the barrier a rank occasionally aborts at exit (seen with gloo).
 
     Guarded by is_initialized(): an in-process vLLM engine's shutdown may have destroyed the default group already.
     """

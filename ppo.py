@@ -12,9 +12,9 @@ One RL step, as verl (HybridFlow) does it:
     verifier) -> old / ref log-probs, values -> token rewards (- KL penalty) and advantages -> critic update,
     actor update on micro-batches
 The loop is written against workers with plain methods (actor: generate, log_probs, update; critic: values,
-update) and the hybrid engine's mode switch (worker.hybrid.rollout_mode, hybrid_engine.py), so torchrun (every
-rank runs this loop on its shard) and Ray (a driver calls worker groups) reuse it. adv_estimator picks the
-estimator (ADVANTAGE_ESTIMATORS); the group ones live in grpo.py.
+update) and the hybrid engine's mode switch (worker.hybrid.rollout_mode, hybrid_engine.py): torchrun runs this
+loop on every rank, on its shard (a Ray driver, not implemented yet, would call the same worker methods).
+adv_estimator picks the estimator (ADVANTAGE_ESTIMATORS); the group ones live in grpo.py.
 """
 
 import json
@@ -163,7 +163,8 @@ class Config:
     total_steps: int = 200
     """RL steps."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP2 sharding of actor, reference and critic over the data-parallel ranks (torchrun); unused in one process."""
+    """FSDP2 sharding of actor, reference and critic over the data-parallel ranks (torchrun); in one process only
+    param_dtype applies (the dtype of the rollout engine and of the weights streamed into it)."""
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     """The weight sync into the rollout engine (hybrid_engine.py): bucket size, offload, verification."""
     dist_timeout_s: int = 1800
@@ -474,13 +475,14 @@ def response_outputs(model, batch: TensorDict, remove_padding: bool = False):
 
 
 def response_log_probs(model, batch: TensorDict, temperature: float, with_entropy: bool = False,
-                       remove_padding: bool = False):
-    """Log-prob [B, R] (and entropy [B, R]) of each response token under model, at the sampling temperature."""
+                       remove_padding: bool = False, entropy_grad: bool = True):
+    """Log-prob [B, R] (and entropy [B, R]) of each response token under model, at the sampling temperature.
+    entropy_grad=False: the entropy is a metric only, and backward keeps no [tokens, V] softmax for it."""
     logits, keep = response_outputs(model, batch, remove_padding)  # [B, R, V] or [n, V]
     targets = batch["responses"] if keep is None else batch["responses"][keep]  # [B, R] or [n]
     logits = logits.float() / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, R] or [n]
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
     if keep is not None:  # back to [B, R], 0 at padding
         logp, entropy = unpack(logp, keep), entropy if entropy is None else unpack(entropy, keep)
     return logp, entropy
@@ -600,7 +602,8 @@ class ActorWorker(Worker):
         """Policy loss - entropy bonus (+ KL loss) of one micro-batch, scaled by its mini-batch's counts."""
         cfg, mask = self.cfg, micro["response_mask"]
         logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True,
-                                           remove_padding=self.remove_padding)  # [b, R] each
+                                           remove_padding=self.remove_padding,
+                                           entropy_grad=cfg.entropy_coeff != 0)  # [b, R] each
         tis, tis_metrics = None, {}
         if cfg.tis_cap is not None:
             tis, tis_metrics = tis_weights(micro["old_log_probs"], micro["rollout_log_probs"], mask, cfg.tis_cap)
@@ -608,7 +611,7 @@ class ActorWorker(Worker):
                                        cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, tis, **counts)
         metrics.update(tis_metrics)
         ent = agg_loss(entropy, mask, cfg.loss_agg_mode, **counts)
-        loss = pg_loss - cfg.entropy_coeff * ent
+        loss = pg_loss - cfg.entropy_coeff * ent if cfg.entropy_coeff else pg_loss
         metrics.update({"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item()})
         if cfg.use_kl_loss:
             kl = agg_loss(kl_penalty(logp, micro["ref_log_probs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **counts)

@@ -53,7 +53,7 @@ def make_rollout(backend: str, *, model_path: str, model, tokenizer, max_model_l
 
 class VLLMRollout:
     """An in-process vLLM engine. Keep it alive for the whole run: its shutdown destroys the default
-    process group (see CPU-NOTES), so close() comes after the run's last collective."""
+    process group (vLLM's cleanup), so close() comes after the run's last collective."""
 
     def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0, dtype: str = "float32"):
         # In-process engine: starts in seconds, and its worker (hence its weights) is reachable from here.

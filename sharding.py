@@ -10,7 +10,7 @@ API (every function is called by every rank, in the same order; with no process 
     critic = load_sharded_model(path, dist, model_class=AutoModelForTokenClassification, config=c)  # c.num_labels=1
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)   # after sharding: it holds the local shards
     loss.backward(); norm = clip_grad_norm(model, 1.0)            # skip optimizer.step() when norm is not finite
-    for bucket in full_weights(model, 1 << 28, torch.bfloat16):   # [(hf_name, full tensor)], whole decoder layers
+    for bucket in full_weights(model, 1 << 28, torch.bfloat16):   # [(HF name, full tensor)], whole decoder layers
         engine.load(bucket)
     save_checkpoint(ckpt_dir, step, model, optimizer, {"step": step, "rng": torch.get_rng_state()}, dist)
     path = find_latest(ckpt_dir)                                   # None when the run has no checkpoint yet
@@ -46,8 +46,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 from comm import Dist, barrier
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# module-name prefixes that wrappers add to parameter names (torch.compile, activation checkpointing, FSDP1)
-WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 @dataclass
@@ -107,12 +105,12 @@ def _shard(model: torch.nn.Module, dist: Dist, cfg: FSDPConfig) -> None:
             layer.set_modules_to_forward_prefetch([next_layer])
 
 
-def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = None, dtype: torch.dtype = torch.float32,
-                       trainable: bool = True, model_class=AutoModelForCausalLM,
+def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = None, trainable: bool = True,
+                       model_class=AutoModelForCausalLM,
                        config: PreTrainedConfig | None = None) -> torch.nn.Module:
     """The HF model at model_path, FSDP2-sharded over dist.mesh["dp"] (plain on dist.device without a group).
 
-    dtype is the master weights' dtype (keep fp32 for training; FSDPConfig.param_dtype sets the compute dtype).
+    The master weights are fp32; FSDPConfig.param_dtype sets the compute dtype.
     trainable=False gives a frozen reference: no gradients, eval mode. model_class and config (None: the folder's)
     pick another head, e.g. a critic: AutoModelForTokenClassification with config.num_labels = 1; weights the
     folder lacks (the new head) are initialised on rank 0 and reach the other ranks with the rest.
@@ -120,14 +118,14 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
     cfg = cfg or FSDPConfig()
     config = config or AutoConfig.from_pretrained(model_path)
     if dist.mesh is None:
-        model = model_class.from_pretrained(model_path, config=config, dtype=dtype).to(dist.device)
+        model = model_class.from_pretrained(model_path, config=config, dtype=torch.float32).to(dist.device)
         return _set_trainable(model, trainable)
     if dist.rank == 0:
-        model = model_class.from_pretrained(model_path, config=config, dtype=dtype)
+        model = model_class.from_pretrained(model_path, config=config, dtype=torch.float32)
         full_state = model.state_dict()  # keeps the full tensors alive past fully_shard, which swaps in shards
     else:
         with torch.device("meta"):  # no memory, no init: the weights come from rank 0
-            model = model_class.from_config(config, dtype=dtype)
+            model = model_class.from_config(config, dtype=torch.float32)
         full_state = {}
     _shard(model, dist, cfg)
     if dist.rank != 0:
@@ -162,12 +160,6 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 # ---------------------------------------------------------------------------------------------------
 
 
-def hf_name(name: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def cast_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a weight travels in: dtype for floating-point tensors (None: their own), integers keep theirs."""
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
@@ -198,7 +190,7 @@ def weight_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.Tensor]]
         if layer is None or layer != current:
             groups.append([])
         current = layer
-        groups[-1].append((hf_name(name), tensor))
+        groups[-1].append((name, tensor))  # FSDP2 keeps the HF names
     return groups
 
 

@@ -1,6 +1,6 @@
 """Dynamic batching: padding and actor-update time, fixed padded micro-batches vs token-budget packed ones, one run.
 
-    OMP_NUM_THREADS=1 python bench/batching.py                      # ~20M-parameter Qwen2, 64 sequences
+    OMP_NUM_THREADS=1 python bench/batching.py                      # ~11M-parameter Qwen2, 64 sequences
     OMP_NUM_THREADS=1 python bench/batching.py --hidden-size 128 --num-layers 2 --batch-size 32 --steps 1   # quick
 
 One batch with skewed response lengths (lognormal, as RL rollouts are: most short, a few near the limit), one

@@ -1,6 +1,6 @@
 """FSDP2 memory and step time: one plain process vs 2 torchrun ranks, same Qwen2, same global batch, one run.
 
-    OMP_NUM_THREADS=1 python bench/fsdp.py                       # ~110M parameters (hidden 768, 12 layers, vocab 32k)
+    OMP_NUM_THREADS=1 python bench/fsdp.py                       # ~99M parameters (hidden 768, 12 layers, vocab 32k)
     OMP_NUM_THREADS=1 python bench/fsdp.py --hidden-size 256 --num-layers 4 --intermediate-size 704   # ~10M, quick
 
 The model is built from a config with random weights and saved once; then this file runs itself as a measuring

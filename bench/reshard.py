@@ -113,7 +113,7 @@ def worker(cfg: BenchConfig) -> None:
     everyone = [broadcast_object(mine, dist, src=r) for r in range(dist.world_size)]
     if dist.is_main:
         Path(cfg.worker_out).write_text(json.dumps(everyone))
-    barrier(dist)  # no destroy_process_group: the engine's own shutdown at exit destroys it (CPU-NOTES)
+    barrier(dist)  # no destroy_process_group: the engine's own shutdown at exit destroys it
 
 
 def launch(cfg: BenchConfig, size: str, root: str) -> list[dict]:

@@ -140,11 +140,6 @@ def make_splits(cfg: ArithConfig) -> tuple[list[dict], list[dict]]:
     )
 
 
-def sft_response(row: dict) -> str:
-    """The sloppy teacher's response (teacher_sum): what the built-in warm start's second phase trains on."""
-    return row["extra_info"]["teacher_answer"]
-
-
 def _write_atomic(rows: list[dict], path: str) -> None:
     # write beside the target, then rename: a crash never leaves a half-written parquet
     tmp = path + ".tmp"

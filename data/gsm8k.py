@@ -79,11 +79,6 @@ def to_row(example: dict, split: str, index: int) -> dict:
     }
 
 
-def sft_response(row: dict) -> str:
-    """The target response for supervised fine-tuning: the full worked solution."""
-    return row["extra_info"]["answer"]
-
-
 def load_local(local_dir: str, split: str) -> list[dict]:
     """The examples of one split from a local copy (shards read in name order)."""
     root = Path(local_dir)

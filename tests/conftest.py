@@ -12,6 +12,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from data.arith import ArithConfig, write_parquet  # noqa: E402
 from sft import SFTConfig, build_char_tokenizer, build_tiny_qwen2  # noqa: E402
 
+# The tiny policy of most tests: 2 layers of width 64 (a few hundred thousand parameters with the byte vocabulary).
+TINY = SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+
 # A dense reward that a random policy can learn in a few steps: the share of digits in the response.
 DIGIT_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -36,8 +39,7 @@ def char_tokenizer():
 def tiny_rl_setup(tmp_path_factory, char_tokenizer) -> dict:
     """A tiny random Qwen2 policy, a small arith task and the digit reward, on disk: grpo.py's arguments."""
     root = tmp_path_factory.mktemp("tiny_rl")
-    model = build_tiny_qwen2(char_tokenizer, SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                                                       intermediate_size=128))
+    model = build_tiny_qwen2(char_tokenizer, TINY)
     model.save_pretrained(root / "model")
     char_tokenizer.save_pretrained(root / "model")
     train_file, val_file = write_parquet(ArithConfig(out_dir=str(root / "data"), n_train=512, n_val=16))

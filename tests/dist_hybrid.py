@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from dist_fsdp import make_batch, make_optimizer, train_step  # noqa: E402
 
 import hybrid_engine  # noqa: E402
-from comm import init_distributed, shutdown  # noqa: E402
+from comm import barrier, init_distributed, shutdown  # noqa: E402
 from hybrid_engine import MB, HybridConfig, HybridEngine  # noqa: E402
 from rollout import VLLMRollout  # noqa: E402
 from sharding import load_sharded_model  # noqa: E402
@@ -103,8 +103,11 @@ def main(tied_dir: str, untied_dir: str, out_dir: str):
     rollout.update_weights = update
     res["clean_again"] = sync(hybrid)  # a clean sync repairs the engine
 
-    train_and_sync(untied_dir, dist, res["untied"])
+    untied = train_and_sync(untied_dir, dist, res["untied"])[2]
     torch.save(res, os.path.join(out_dir, f"rank{dist.rank}.pt"))
+    barrier(dist)  # the last collective: closing an engine destroys the default process group
+    rollout.close()
+    untied.close()
     shutdown(dist)
 
 

@@ -6,6 +6,7 @@
 import os
 import subprocess
 import sys
+from typing import get_args
 
 import pytest
 import torch
@@ -16,10 +17,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import ppo
 from batching import karmarkar_karp, micro_batches, packing_works, split_by_tokens
 from comm import init_distributed
-from ppo import ActorWorker, pad_batch, response_log_probs
+from ppo import ActorWorker, AggMode, pad_batch, response_log_probs
 from sft import SFTConfig, build_tiny_qwen2
 
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+MODES = list(get_args(AggMode))
 TINY = SFTConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_batching.py")
 

@@ -99,6 +99,11 @@ def test_arith_train_val_disjoint():
     assert arith.make_splits(cfg) == (train, val)
 
 
+def test_arith_evaluate_multiplies_first():
+    assert arith.evaluate([1, 2, 3], ["+", "*"]) == 7 and arith.evaluate([2, 3, 4], ["*", "-"]) == 2
+    assert arith.evaluate([10, 2, 3, 4], ["-", "*", "+"]) == 8
+
+
 def test_arith_pads_operands():
     padded = arith.make_problems(arith.ArithConfig(ops="+", digits=3), 100, seed=0)
     ragged = arith.make_problems(arith.ArithConfig(ops="+", digits=3, pad_operands=False), 100, seed=0)
@@ -144,7 +149,6 @@ def test_arith_row_schema_and_parquet(tmp_path):
     assert first["extra_info"] == {"split": "val", "index": 0, "expression": expression, "answer": answer,
                                    "teacher_answer": answer}  # teacher_slip 0: the teacher is right
     assert (first["data_source"], first["ability"]) == ("arith", "math")
-    assert arith.sft_response(first) == answer
     assert default_compute_score("arith", f"{expression}={answer}", answer) == 1.0
 
 
@@ -276,10 +280,9 @@ def test_gsm8k_from_local_jsonl(tmp_path):
     ]
     assert train[1]["extra_info"] == {"split": "train", "index": 1, **examples["train"][1]}
     assert (train[1]["data_source"], train[1]["ability"]) == ("openai/gsm8k", "math")
-    assert gsm8k.sft_response(train[1]) == examples["train"][1]["answer"]
-    # the reference solution scores full marks against its own ground truth
+    # the reference solution (sft.py's --response-key extra_info.answer) scores full marks against its ground truth
     for r in train + test:
-        assert default_compute_score(r["data_source"], gsm8k.sft_response(r), r["reward_model"]["ground_truth"]) == 1.0
+        assert default_compute_score(r["data_source"], r["extra_info"]["answer"], r["reward_model"]["ground_truth"]) == 1.0
 
 
 def test_gsm8k_local_missing_split(tmp_path):

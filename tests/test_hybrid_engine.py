@@ -18,10 +18,10 @@ from dist_hybrid import CORRUPT, STEPS
 from transformers import Qwen2ForCausalLM
 
 import hybrid_engine
-from sft import SFTConfig, build_char_tokenizer, build_tiny_qwen2
+from conftest import TINY
+from sft import build_char_tokenizer, build_tiny_qwen2
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_hybrid.py")
-TINY = SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 
 
 @pytest.fixture(scope="module")

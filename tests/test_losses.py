@@ -8,6 +8,7 @@ calling another vectorised implementation of the same formula.
 """
 
 import math
+from typing import get_args
 
 import pytest
 import torch
@@ -16,11 +17,11 @@ from tensordict import TensorDict
 from comm import init_distributed
 from hybrid_engine import HybridConfig
 from grpo import group_advantages, grpo_advantages, rloo_advantages
-from ppo import (ADVANTAGE_ESTIMATORS, Config, agg_loss, entropy_from_logits, gae, gae_advantages, kl_in_reward,
-                 kl_penalty, last_token, masked_mean, masked_whiten, policy_loss, reinforce_pp_advantages,
+from ppo import (ADVANTAGE_ESTIMATORS, AggMode, Config, agg_loss, entropy_from_logits, gae, gae_advantages,
+                 kl_in_reward, kl_penalty, last_token, masked_mean, masked_whiten, policy_loss, reinforce_pp_advantages,
                  tis_weights, update_kl_coef, value_loss)
 
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+MODES = list(get_args(AggMode))
 EPS = 1e-6  # group_advantages' default eps
 DIST = init_distributed()  # one process: whitening statistics are this batch's
 

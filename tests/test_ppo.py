@@ -4,6 +4,7 @@
 """
 
 from dataclasses import replace
+from typing import get_args
 
 import pytest
 import torch
@@ -11,10 +12,10 @@ import torch
 from grpo import grpo_advantages
 from comm import init_distributed
 from hybrid_engine import HybridConfig
-from ppo import ActorWorker, Config, CriticWorker
+from ppo import ActorWorker, AggMode, Config, CriticWorker
 from sft import SFTConfig, build_tiny_qwen2
 
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+MODES = list(get_args(AggMode))
 
 
 @pytest.fixture(scope="module")

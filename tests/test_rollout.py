@@ -14,9 +14,9 @@ from transformers import Qwen2ForCausalLM
 
 from data import tokenize_prompt
 from rollout import HFRollout, VLLMRollout
-from sft import SFTConfig, build_char_tokenizer, build_tiny_qwen2
+from conftest import TINY
+from sft import build_char_tokenizer, build_tiny_qwen2
 
-TINY = SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 QUESTIONS = ["12+34=", "7-5=", "99+1=", "3+3=", "50-25="]
 MAX_LEN = 64
 TOL = 1e-4

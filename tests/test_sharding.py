@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM
 
 import sharding
 from comm import init_distributed
-from sft import SFTConfig, build_char_tokenizer, build_tiny_qwen2
+from conftest import TINY
+from sft import build_char_tokenizer, build_tiny_qwen2
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_fsdp.py")
-TINY = SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 
 
 def assert_close_dicts(a: dict, b: dict, atol: float):

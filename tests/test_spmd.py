@@ -7,7 +7,7 @@
   rewards, same final parameters.
 - A checkpoint written by 2 ranks resumes in 1 process.
 - PPO with a critic on 2 ranks: values, returns and advantages (whitened over both ranks) of the first step equal
-  one process's; its checkpoint (actor, critic, KL controller) resumes in 1 process.
+  one process's; its checkpoint resumes in 1 process, where the adaptive KL coefficient continues its recursion.
 """
 
 import json
