@@ -29,6 +29,11 @@ call: NaN). A bucket therefore never splits a layer, and a layer larger than the
 Each call also has a fixed cost (the loader visits every module of the engine): ~5 ms on CPU at 300M parameters
 (26 calls 1.00 s, 3 calls 0.87 s), small next to the memory that large buckets touch; see bench/reshard.py.
 
+Why the gathers are not overlapped with the engine's loading: launching a bucket's all-gathers asynchronously
+(DTensor redistribute with async_op) on gloo while the CPU engine loaded the first layers corrupted the heap
+("malloc(): unaligned tcache chunk detected") after about a dozen syncs at 300M (seen in one
+run of bench/reshard.py, cause not isolated), so each tensor is gathered when its bucket is built.
+
 Metrics: timing_s/reshard, reshard/bytes, reshard/buckets, peak memory during the switch
 (perf/max_memory_allocated_gb on GPU, perf/max_memory_rss_gb on CPU) and reshard/max_memory_extra_gb (that peak
 minus the memory at entry); with verify_sync also reshard/probe_logprob_diff_max (the engine-trainer log-prob

@@ -1,21 +1,24 @@
 """Weight sync into vLLM on 2 torchrun ranks: the hybrid engine against the naive path and the communication floor.
 
-    OMP_NUM_THREADS=1 python bench/reshard.py                    # ~10M, ~100M and ~300M-parameter Qwen2s, fp32
-    OMP_NUM_THREADS=1 python bench/reshard.py --sizes 10m        # one model, quick
+    OMP_NUM_THREADS=1 python bench/reshard.py                    # ~10M, ~100M and ~300M-parameter Qwen2s, fp32 and bf16
+    OMP_NUM_THREADS=1 python bench/reshard.py --sizes 10m --dtypes float32   # one model, one dtype, quick
 
-For each size the launcher builds a Qwen2 from a config (random weights, tied embeddings, vocab 32k), saves it, and
+For each size and rollout dtype the launcher builds a Qwen2 from a config (random weights, tied embeddings, vocab 32k), saves it, and
 runs this file under `torchrun --nproc_per_node=2` as the measuring workers. Each rank holds the FSDP2-sharded
 model (sharding.load_sharded_model) and its own in-process vLLM engine (rollout.VLLMRollout), and times, after one
 untimed round, `repeats` rounds of each way of putting the trainer's weights into the engines:
+The trainer's master weights are fp32; the rollout dtype is the engine's dtype, hence what the hybrid engine
+streams (its shards are cast before the gather) and the floor's bytes. bf16 is the usual production setting
+(ppo.py's engine computes in --fsdp.param-dtype).
 - hybrid:       HybridEngine.rollout_mode with 512 MB buckets (whole decoder layers, full_tensor() per parameter)
 - hybrid/layer: the same with 1-byte buckets: one decoder layer (or other tensor) per engine call
-- naive:        rank 0 gathers the full state dict and save_pretrained's it (sharding.export_hf), then every
-                engine reloads from that folder (vLLM's reload_weights(weights_path=...)). On CPU this skips the
+- naive:        rank 0 gathers the full state dict (fp32 masters) and save_pretrained's it (sharding.export_hf),
+                then every engine reloads from that folder, casting to its dtype (vLLM's reload_weights(weights_path=...)). On CPU this skips the
                 repacked copy of a tied lm_head (the folder has no lm_head.weight), which then stays stale: the
                 naive times are a lower bound for a correct naive path
 - gather:       the hybrid engine's own gathers (sharding.full_weights, 512 MB buckets), no engine: its
                 communication alone
-- floor:        one all_gather_into_tensor of the same bytes, no engine
+- floor:        one all_gather_into_tensor of the bytes the engine needs (the model in the rollout dtype)
 Per rank: seconds per sync, and peak extra memory during it (the process's peak RSS after a reset, minus its RSS
 before: hybrid_engine.reset_peak_memory / peak_memory). The tables show the slower / larger rank.
 """
@@ -40,7 +43,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from comm import barrier, broadcast_object, init_distributed  # noqa: E402
 from hybrid_engine import MB, HybridConfig, HybridEngine, peak_memory, reset_peak_memory  # noqa: E402
 from rollout import VLLMRollout  # noqa: E402
-from sharding import export_hf, full_weights, load_sharded_model  # noqa: E402
+from sharding import DTYPES, export_hf, full_weights, load_sharded_model  # noqa: E402
 
 # name: (hidden, layers, intermediate); head size 64, 4 query heads per KV head
 SIZES = {"10m": (256, 4, 704), "100m": (768, 12, 2048), "300m": (1024, 24, 2816)}
@@ -51,6 +54,8 @@ VOCAB = 32000
 class BenchConfig:
     sizes: tuple[str, ...] = ("10m", "100m", "300m")
     """Models to measure, from SIZES."""
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    """Rollout dtypes to measure (the engine's, the hybrid's buckets', the floor's); the masters stay fp32."""
     repeats: int = 3
     """Timed rounds per method, after one untimed round."""
     bucket_mb: float = 512.0
@@ -59,6 +64,8 @@ class BenchConfig:
     """Internal: set by the launcher; run as a measuring worker and write its numbers to this JSON file."""
     model_dir: str | None = None
     """Internal: the saved model the workers load."""
+    dtype: str = "float32"
+    """Internal: the rollout dtype a measuring worker uses."""
 
 
 def measure(fn, device, repeats: int) -> dict:
@@ -77,11 +84,12 @@ def measure(fn, device, repeats: int) -> dict:
 def worker(cfg: BenchConfig) -> None:
     dist = init_distributed()
     model = load_sharded_model(cfg.model_dir, dist)
-    rollout = VLLMRollout(cfg.model_dir, max_model_len=64)
+    dtype = DTYPES[cfg.dtype]
+    rollout = VLLMRollout(cfg.model_dir, max_model_len=64, dtype=cfg.dtype)
     optimizer = torch.optim.AdamW(model.parameters())  # no state yet: nothing to offload on CPU anyway
 
     def hybrid_sync(bucket_mb: float):
-        hybrid = HybridEngine(model, optimizer, rollout, dist, HybridConfig(bucket_mb=bucket_mb), torch.float32)
+        hybrid = HybridEngine(model, optimizer, rollout, dist, HybridConfig(bucket_mb=bucket_mb), dtype)
 
         def sync():
             with hybrid.rollout_mode({}):
@@ -97,13 +105,13 @@ def worker(cfg: BenchConfig) -> None:
         barrier(dist)
 
     n = sum(p.numel() for p in model.parameters())  # global sizes (DTensor)
-    shard = torch.randn(math.ceil(n / dist.world_size))  # what one rank contributes, fp32
+    shard = torch.randn(math.ceil(n / dist.world_size)).to(dtype)  # what one rank contributes
 
     def floor():  # the output buffer is allocated inside: it is the floor's extra memory
-        tdist.all_gather_into_tensor(torch.empty(shard.numel() * dist.world_size), shard)
+        tdist.all_gather_into_tensor(torch.empty(shard.numel() * dist.world_size, dtype=dtype), shard)
 
     def gather():
-        for bucket in full_weights(model, int(cfg.bucket_mb * MB), torch.float32):
+        for bucket in full_weights(model, int(cfg.bucket_mb * MB), dtype):
             del bucket
 
     mine = {"params": n}
@@ -116,15 +124,20 @@ def worker(cfg: BenchConfig) -> None:
     barrier(dist)  # no destroy_process_group: the engine's own shutdown at exit destroys it
 
 
-def launch(cfg: BenchConfig, size: str, root: str) -> list[dict]:
+def save_model(size: str, root: str) -> str:
     hidden, layers, intermediate = SIZES[size]
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
                          num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256, tie_word_embeddings=True,
                          max_position_embeddings=512)
-    model_dir, out = os.path.join(root, size), os.path.join(root, f"{size}.json")
+    model_dir = os.path.join(root, size)
     Qwen2ForCausalLM(config).save_pretrained(model_dir)
+    return model_dir
+
+
+def launch(cfg: BenchConfig, model_dir: str, dtype: str) -> list[dict]:
+    out = f"{model_dir}-{dtype}.json"
     flags = [f"--repeats={cfg.repeats}", f"--bucket-mb={cfg.bucket_mb}", f"--model-dir={model_dir}",
-             f"--worker-out={out}"]
+             f"--dtype={dtype}", f"--worker-out={out}"]
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
                     "--rdzv-endpoint=localhost:0", __file__, *flags], check=True)
     return json.loads(Path(out).read_text())
@@ -134,16 +147,19 @@ def main(cfg: BenchConfig) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for size in cfg.sizes:
-            ranks = launch(cfg, size, root)
-            worst = {m: {k: max(r[m][k] for r in ranks) for k in ("s", "extra_mb")}
-                     for m in ("hybrid", "hybrid/layer", "naive", "gather", "floor")}
-            rows.append((size, ranks[0]["params"], worst))
-    print(f"\nWeight sync into vLLM, 2 ranks (gloo), fp32, mean of {cfg.repeats} after a warm-up; the slower / larger "
-          f"rank. Extra memory: peak RSS during the sync minus RSS before it.")
-    for size, params, worst in rows:
-        model_mb = params * 4 / MB
+            model_dir = save_model(size, root)
+            for dtype in cfg.dtypes:
+                ranks = launch(cfg, model_dir, dtype)
+                worst = {m: {k: max(r[m][k] for r in ranks) for k in ("s", "extra_mb")}
+                         for m in ("hybrid", "hybrid/layer", "naive", "gather", "floor")}
+                rows.append((size, dtype, ranks[0]["params"], worst))
+    print(f"\nWeight sync into vLLM, 2 ranks (gloo), fp32 masters, mean of {cfg.repeats} after a warm-up; the slower / "
+          f"larger rank. Extra memory: peak RSS during the sync minus RSS before it.")
+    for size, dtype, params, worst in rows:
+        model_mb = params * DTYPES[dtype].itemsize / MB
         hybrid = worst["hybrid"]
-        print(f"\n{size}: {params / 1e6:.1f}M parameters, {model_mb:.0f} MB fp32; bucket {cfg.bucket_mb:.0f} MB")
+        print(f"\n{size}, rollout dtype {dtype}: {params / 1e6:.1f}M parameters, {model_mb:.0f} MB in {dtype}; "
+              f"bucket {cfg.bucket_mb:.0f} MB")
         print(f"{'method':<14} {'s/sync':>8} {'/ hybrid':>9} {'extra MB':>9} {'/ model':>8}")
         for method, m in worst.items():
             print(f"{method:<14} {m['s']:>8.3f} {m['s'] / hybrid['s']:>9.2f} {m['extra_mb']:>9.0f} "

@@ -1,5 +1,5 @@
 """The torchrun worker of tests/test_hybrid_engine.py: the hybrid engine on 2 ranks (gloo), one vLLM engine per
-rank and model, fp32.
+rank and model, fp32 (and once bf16).
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_hybrid_engine.py -q      # launches this file; the usual way
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 tests/dist_hybrid.py TIED_DIR UNTIED_DIR OUT_DIR   # by hand
@@ -7,7 +7,9 @@ rank and model, fp32.
 For each model (tied and untied embeddings): AdamW steps, each followed by a verified sync (verify_sync raises on
 any mismatch). On the tied model also: the buckets that 1-byte and 10 GB buckets hand to the engine, and two
 deliberate corruptions on one rank, one before the hand-over (checksums must name it) and one after it (the probe
-must catch it); both ranks must raise. Each rank writes what it saw to OUT_DIR/rank{r}.pt.
+must catch it); both ranks must raise. Then the tied model once more in bf16, as ppo.py runs with
+--fsdp.param-dtype bfloat16 (fp32 masters, bf16 compute, engine and stream). Each rank writes what it saw to
+OUT_DIR/rank{r}.pt.
 """
 
 import os
@@ -22,10 +24,11 @@ import hybrid_engine  # noqa: E402
 from comm import barrier, init_distributed, shutdown  # noqa: E402
 from hybrid_engine import MB, HybridConfig, HybridEngine  # noqa: E402
 from rollout import VLLMRollout  # noqa: E402
-from sharding import load_sharded_model  # noqa: E402
+from sharding import DTYPES, FSDPConfig, load_sharded_model  # noqa: E402
 
 STEPS = 3
 CORRUPT = "model.layers.1.mlp.up_proj.weight"
+BF16_TOL = 0.02  # probe gap allowed in bf16 (measured up to 0.004): two bf16 implementations round differently
 
 
 def sync(hybrid: HybridEngine) -> dict:
@@ -62,11 +65,12 @@ def one_element_off(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def train_and_sync(model_dir: str, dist, res: dict) -> tuple:
-    model = load_sharded_model(model_dir, dist)
+def train_and_sync(model_dir: str, dist, res: dict, dtype: str = "float32") -> tuple:
+    model = load_sharded_model(model_dir, dist, FSDPConfig(param_dtype=dtype))
     optimizer = make_optimizer(model)
-    rollout = VLLMRollout(model_dir, max_model_len=64)
-    hybrid = HybridEngine(model, optimizer, rollout, dist, HybridConfig(verify_sync=True), torch.float32)
+    rollout = VLLMRollout(model_dir, max_model_len=64, dtype=dtype)
+    cfg = HybridConfig(verify_sync=True, verify_tol=BF16_TOL if dtype == "bfloat16" else 1e-4)
+    hybrid = HybridEngine(model, optimizer, rollout, dist, cfg, DTYPES[dtype])
     res["probe_before"] = rollout.prompt_log_probs(hybrid.probe.tolist())  # the saved weights
     batch = make_batch(model.config.vocab_size)
     res["syncs"] = []
@@ -79,7 +83,7 @@ def train_and_sync(model_dir: str, dist, res: dict) -> tuple:
 
 def main(tied_dir: str, untied_dir: str, out_dir: str):
     dist = init_distributed(timeout_s=300)
-    res = {"tied": {}, "untied": {}}
+    res = {"tied": {}, "untied": {}, "bf16": {}}
     model, optimizer, rollout = train_and_sync(tied_dir, dist, res["tied"])
     buckets = recording(rollout)
     for size in (1, 10 << 30):  # bytes
@@ -104,10 +108,11 @@ def main(tied_dir: str, untied_dir: str, out_dir: str):
     res["clean_again"] = sync(hybrid)  # a clean sync repairs the engine
 
     untied = train_and_sync(untied_dir, dist, res["untied"])[2]
+    bf16 = train_and_sync(tied_dir, dist, res["bf16"], "bfloat16")[2]
     torch.save(res, os.path.join(out_dir, f"rank{dist.rank}.pt"))
     barrier(dist)  # the last collective: closing an engine destroys the default process group
-    rollout.close()
-    untied.close()
+    for engine in (rollout, untied, bf16):
+        engine.close()
     shutdown(dist)
 
 

@@ -1,11 +1,11 @@
-"""The hybrid engine on 2 torchrun ranks (gloo, one vLLM engine per rank), fp32, tiny Qwen2s with tied and untied
-embeddings:
+"""The hybrid engine on 2 torchrun ranks (gloo, one vLLM engine per rank), tiny Qwen2s with tied and untied
+embeddings in fp32, and the tied one in bf16:
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_hybrid_engine.py -q
 
 One torchrun launch (tests/dist_hybrid.py) serves every test here. Every sync in it runs with verify_sync, which
-raises when a checksum differs or the probe's log-probs differ by more than 1e-4: the worker finishing proves
-that they matched.
+raises when a checksum differs or the probe's log-probs differ by more than 1e-4 (bf16: BF16_TOL): the worker
+finishing proves that they matched.
 """
 
 import os
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from dist_hybrid import CORRUPT, STEPS
+from dist_hybrid import BF16_TOL, CORRUPT, STEPS
 from transformers import Qwen2ForCausalLM
 
 import hybrid_engine
@@ -45,18 +45,19 @@ def run(tmp_path_factory):
     return dict(ranks=ranks, models={"tied": tied, "untied": untied})
 
 
-def model_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight counts once
+def model_bytes(model, itemsize: int) -> int:
+    return sum(p.numel() * itemsize for p in model.parameters())  # a tied weight counts once
 
 
-@pytest.mark.parametrize("kind", ["tied", "untied"])
+@pytest.mark.parametrize("kind", ["tied", "untied", "bf16"])
 def test_verified_syncs_after_training(run, kind):
+    model, itemsize, tol = (run["models"]["tied"], 2, BF16_TOL) if kind == "bf16" else (run["models"][kind], 4, 1e-4)
     for rank in run["ranks"]:
         res = rank[kind]
         assert len(res["syncs"]) == STEPS
         for metrics in res["syncs"]:
-            assert metrics["reshard/probe_logprob_diff_max"] <= 1e-4
-            assert metrics["reshard/bytes"] == model_bytes(run["models"][kind])
+            assert metrics["reshard/probe_logprob_diff_max"] <= tol
+            assert metrics["reshard/bytes"] == model_bytes(model, itemsize)  # bf16 moves half the bytes
             assert metrics["reshard/buckets"] == 1  # the 512 MB default holds a tiny model
             assert metrics["perf/max_memory_rss_gb"] > 0 and metrics["reshard/max_memory_extra_gb"] >= 0
         # the training moved the weights and the engine followed

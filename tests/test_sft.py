@@ -24,11 +24,12 @@ def test_read_sft_rows_names_the_missing_field(tmp_path):
 
 
 def test_warm_start_learns_then_takes_the_teachers_habit(tmp_path, char_tokenizer):
-    # one-digit sums: a tiny model learns them in a few hundred steps; the teacher forgets every carry
+    # one-digit sums: a tiny model learns them in a few hundred steps; the teacher forgets every carry. Phase 1 runs
+    # to 95%: with units digits still wrong at 80% (one CPU measured 0.73 below), the habit check would test them
     task = ArithConfig(out_dir=str(tmp_path / "data"), ops="+", digits=1, n_train=2000, n_val=40, teacher_slip=1.0)
     train_file, _ = write_parquet(task)
     cfg = SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, batch_size=64,
-                    max_steps=600, eval_every=25, stop_accuracy=0.8, habit_steps=150)
+                    max_steps=600, eval_every=25, stop_accuracy=0.95, habit_steps=150)
     model = build_tiny_qwen2(char_tokenizer, cfg)
     # scored on training sums: this checks the two phases, not generalisation from ~60 distinct sums
     val = list({r["extra_info"]["expression"]: r for r in read_rl_parquet(train_file)}.values())
@@ -36,7 +37,7 @@ def test_warm_start_learns_then_takes_the_teachers_habit(tmp_path, char_tokenize
                    str(tmp_path / "out"), habit_pairs=read_sft_rows(train_file, "prompt", "extra_info.teacher_answer"))
     learned = [h for h in result["history"] if h["phase"] == "sft"]
     habit = [h for h in result["history"] if h["phase"] != "sft"]
-    assert learned[-1]["val/accuracy"] >= 0.8 and learned[-1]["step"] < 600  # stopped at stop_accuracy
+    assert learned[-1]["val/accuracy"] >= 0.95 and learned[-1]["step"] < 600  # stopped at stop_accuracy
     assert habit[-1]["step"] == 150 and result["steps"] == learned[-1]["step"] + 150
     # the habit: on sums that carry, greedy now writes the teacher's answer, so only carry-free sums stay right
     carry = [r for r in val if r["extra_info"]["answer"] != r["extra_info"]["teacher_answer"]]
