@@ -7,7 +7,8 @@
   rewards, same final parameters.
 - A checkpoint written by 2 ranks resumes in 1 process.
 - PPO with a critic on 2 ranks: values, returns and advantages (whitened over both ranks) of the first step equal
-  one process's; its checkpoint resumes in 1 process, where the adaptive KL coefficient continues its recursion.
+  one process's; its checkpoint resumes in 1 process with the trained critic, and the adaptive KL coefficient
+  continues its recursion.
 """
 
 import json
@@ -121,10 +122,16 @@ def test_ppo_two_ranks_match_one_process_and_resume_in_one(tiny_rl_setup, tmp_pa
     for key in ("critic/score/mean", "critic/values/max", "critic/values/min", "critic/returns/max",
                 "critic/returns/min", "critic/advantages/max", "critic/advantages/min"):
         assert a[1][key] == pytest.approx(b[1][key], abs=1e-5), key
-    # the 2-rank checkpoint (actor, critic and the KL coefficient) resumes in one process
-    launch(args(tiny_rl_setup, two, total_steps=3, ckpt_every=2, critic_warmup=1) + kl, tmp_path / "resume.log",
-           script="ppo.py")
+    # the 2-rank checkpoint (actor, critic and the KL coefficient) resumes in one process; a critic_lr far below
+    # fp32 resolution leaves the resumed critic as it was restored, so its export must equal the 2-step run's
+    trained_critic = load_file(os.path.join(two, "critic", "model.safetensors"))
+    launch(args(tiny_rl_setup, two, total_steps=3, ckpt_every=2, critic_warmup=1) + kl + ["--critic-lr=1e-30"],
+           tmp_path / "resume.log", script="ppo.py")
     assert "resumed from" in open(tmp_path / "resume.log").read()
+    resumed_critic = load_file(os.path.join(two, "critic", "model.safetensors"))
+    assert resumed_critic.keys() == trained_critic.keys()
+    for name, weight in trained_critic.items():
+        assert (resumed_critic[name] - weight).abs().max() <= 1e-6, name
     b = records(two)
     assert [r["step"] for r in b] == [0, 1, 2, 3]
     cfg = Config(kl_ctrl_type="adaptive", kl_horizon=100)
