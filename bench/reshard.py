@@ -3,19 +3,20 @@
     OMP_NUM_THREADS=1 python bench/reshard.py                    # ~10M, ~100M and ~300M-parameter Qwen2s, fp32 and bf16
     OMP_NUM_THREADS=1 python bench/reshard.py --sizes 10m --dtypes float32   # one model, one dtype, quick
 
-For each size and rollout dtype the launcher builds a Qwen2 from a config (random weights, tied embeddings, vocab 32k), saves it, and
-runs this file under `torchrun --nproc_per_node=2` as the measuring workers. Each rank holds the FSDP2-sharded
-model (sharding.load_sharded_model) and its own in-process vLLM engine (rollout.VLLMRollout), and times, after one
-untimed round, `repeats` rounds of each way of putting the trainer's weights into the engines:
-The trainer's master weights are fp32; the rollout dtype is the engine's dtype, hence what the hybrid engine
-streams (its shards are cast before the gather) and the floor's bytes. bf16 is the usual production setting
-(ppo.py's engine computes in --fsdp.param-dtype).
+For each size the launcher builds a Qwen2 from a config (random weights, tied embeddings, vocab 32k) and saves it;
+for each rollout dtype it runs this file under `torchrun --nproc_per_node=2` as the measuring workers. The trainer's
+master weights are fp32; the rollout dtype is the engine's, hence what the hybrid engine streams (its shards are
+cast before the gather) and the floor's bytes; bf16 is the usual production setting (ppo.py's engine computes in
+--fsdp.param-dtype). Each rank holds the FSDP2-sharded model (sharding.load_sharded_model) and its own in-process
+vLLM engine (rollout.VLLMRollout), and times, after one untimed round, `repeats` rounds of each way of putting the
+trainer's weights into the engines:
 - hybrid:       HybridEngine.rollout_mode with 512 MB buckets (whole decoder layers, full_tensor() per parameter)
 - hybrid/layer: the same with 1-byte buckets: one decoder layer (or other tensor) per engine call
 - naive:        rank 0 gathers the full state dict (fp32 masters) and save_pretrained's it (sharding.export_hf),
-                then every engine reloads from that folder, casting to its dtype (vLLM's reload_weights(weights_path=...)). On CPU this skips the
-                repacked copy of a tied lm_head (the folder has no lm_head.weight), which then stays stale: the
-                naive times are a lower bound for a correct naive path
+                then every engine reloads from that folder, casting to its dtype (vLLM's
+                reload_weights(weights_path=...)). On CPU this skips the repacked copy of a tied lm_head (the
+                folder has no lm_head.weight), which then stays stale: the naive times are a lower bound for a
+                correct naive path
 - gather:       the hybrid engine's own gathers (sharding.full_weights, 512 MB buckets), no engine: its
                 communication alone
 - floor:        one all_gather_into_tensor of the bytes the engine needs (the model in the rollout dtype)

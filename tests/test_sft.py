@@ -2,7 +2,10 @@
     python -m pytest tests/test_sft.py -q
 """
 
+from dataclasses import replace
+
 import pytest
+from conftest import TINY
 
 from data import read_rl_parquet
 from data.arith import ArithConfig, write_parquet
@@ -28,8 +31,7 @@ def test_warm_start_learns_then_takes_the_teachers_habit(tmp_path, char_tokenize
     # to 95%: with units digits still wrong at 80% (one CPU measured 0.73 below), the habit check would test them
     task = ArithConfig(out_dir=str(tmp_path / "data"), ops="+", digits=1, n_train=2000, n_val=40, teacher_slip=1.0)
     train_file, _ = write_parquet(task)
-    cfg = SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, batch_size=64,
-                    max_steps=600, eval_every=25, stop_accuracy=0.95, habit_steps=150)
+    cfg = replace(TINY, batch_size=64, max_steps=600, eval_every=25, stop_accuracy=0.95, habit_steps=150)
     model = build_tiny_qwen2(char_tokenizer, cfg)
     # scored on training sums: this checks the two phases, not generalisation from ~60 distinct sums
     val = list({r["extra_info"]["expression"]: r for r in read_rl_parquet(train_file)}.values())
