@@ -5,17 +5,18 @@
     OMP_NUM_THREADS=1 python -m pytest tests/test_sharding.py -q     # the tests (they launch torchrun)
 
 API (the whole of it):
-    dist = init_distributed(timeout_s=1800, tp_size=1)    # -> Dist(rank, world_size, local_rank, device, mesh, is_main)
+    dist = init_distributed(timeout_s=1800)               # -> Dist(rank, world_size, local_rank, device, mesh, is_main)
     dist.dp_rank, dist.dp_size                            # this rank's data shard: split batches by these
     reduce_metrics({"actor/pg_loss": x, "response_length/max": m, "tokens": n}, dist, sum_keys=("tokens",))
         # mean by default; max for keys ending in /max or holding max_memory; min for /min; sum for sum_keys
+    all_sum = all_sum_fn(dist)                            # t -> t summed over the dp ranks (None in one process)
     obj = broadcast_object(obj, dist, src=0)               # every rank gets src's python object
     barrier(dist)
     shutdown(dist)                                        # barrier, then destroy the process group (if still there)
     with timer("gen", metrics): ...                       # metrics["timing_s/gen"] = seconds
 
-The mesh has a "dp" dimension, and a "tp" one when tp_size > 1 (dp = world_size / tp_size); sharding.py
-shards parameters over mesh["dp"]. Metrics are reduced over the dp ranks: tp ranks hold the same data.
+The mesh has one dimension, "dp": every rank holds a shard of the data and sharding.py shards the parameters over
+the same ranks (FSDP2). There is no tensor parallelism.
 """
 
 import os
@@ -61,14 +62,12 @@ def set_gpu_env_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
-def init_distributed(timeout_s: int = 1800, tp_size: int = 1) -> Dist:
+def init_distributed(timeout_s: int = 1800) -> Dist:
     """Join the torchrun job described by the env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run alone."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:  # plain `python script.py`
         return Dist(0, 1, 0, torch.device("cuda", 0) if cuda else torch.device("cpu"), None, True)
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    if world % tp_size:
-        raise ValueError(f"tp_size={tp_size} must divide the world size {world}")
     if cuda:
         set_gpu_env_defaults()
         device = torch.device("cuda", local_rank)
@@ -78,8 +77,7 @@ def init_distributed(timeout_s: int = 1800, tp_size: int = 1) -> Dist:
     # device_id binds NCCL to this rank's GPU (eager init, and barriers know their device)
     tdist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                              device_id=device if cuda else None)
-    shape, names = ((world // tp_size, tp_size), ("dp", "tp")) if tp_size > 1 else ((world,), ("dp",))
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     return Dist(rank, world, local_rank, device, mesh, rank == 0)
 
 
@@ -105,6 +103,20 @@ def reduce_metrics(metrics: dict[str, float], dist: Dist, sum_keys: tuple[str, .
     gathered = gathered.view(dist.dp_size, len(keys)).cpu()  # [dp, K]
     reduce = {"sum": torch.sum, "max": torch.amax, "min": torch.amin, "mean": torch.mean}
     return {k: reduce[_reduce_op(k, sum_keys)](gathered[:, i]).item() for i, k in enumerate(keys)}
+
+
+def all_sum_fn(dist: Dist):
+    """A function that sums a tensor over the dp ranks (a collective: every rank calls it with the same shape), or
+    None in a single process, where the data is all here: what core_algos' `all_sum` arguments take."""
+    if dist.mesh is None:
+        return None
+
+    def all_sum(t: torch.Tensor) -> torch.Tensor:
+        out = t.to(dist.device, copy=True)  # NCCL reduces device tensors; the caller's t stays as it was
+        tdist.all_reduce(out, group=dist.mesh["dp"].get_group())
+        return out.to(t.device)
+
+    return all_sum
 
 
 def broadcast_object(obj, dist: Dist, src: int = 0):

@@ -92,6 +92,7 @@ class HybridEngine:
         self._moved = []  # (optimizer state dict, key) moved to CPU memory on entering rollout mode
         g = torch.Generator().manual_seed(0)  # the same probe on every rank and every sync
         self.probe = torch.randint(model.config.vocab_size, (PROBE_SEQS, cfg.probe_len), generator=g)  # [N, T]
+        self.names = sorted(name for group in weight_groups(model) for name, _ in group)  # what every sync hands over
         rollout.sleep()  # train mode is the resting state: the engine wakes in rollout mode only
 
     @contextmanager
@@ -120,13 +121,21 @@ class HybridEngine:
     # ---- streaming ----
 
     def _stream(self, received: dict) -> tuple[int, int]:
-        """Every bucket into the engine, one at a time; returns (bytes, buckets) handed over."""
+        """Every bucket into the engine, one at a time; returns (bytes, buckets) handed over. Always checks that the
+        buckets together handed over every weight exactly once (vLLM's loader, muted in rollout.py, would only
+        warn about the modules each bucket leaves out)."""
         nbytes = buckets = 0
+        names = []
         for bucket in full_weights(self.model, self.bucket_bytes, self.dtype):  # collective: all ranks iterate
             self.rollout.update_weights(self._tap(bucket, received))
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            names += [name for name, _ in bucket]
             buckets += 1
             del bucket  # else the loop variable keeps it alive while the next bucket is gathered
+        if sorted(names) != self.names:
+            missing = sorted(set(self.names) - set(names))
+            wrong = sorted(n for n in set(names) if names.count(n) > 1 or n not in self.names)
+            raise RuntimeError(f"weight sync: the buckets left out {missing} and repeated or added {wrong}")
         return nbytes, buckets
 
     def _tap(self, bucket: list[tuple[str, torch.Tensor]], received: dict):

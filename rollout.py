@@ -25,7 +25,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU: plenty for small models, leaves RAM to the trainer
-GPU_MEMORY_UTILIZATION = 0.5  # colocated with the trainer: the engine takes half the device memory
 
 
 @dataclass
@@ -37,10 +36,11 @@ class RolloutOutput:
 
 
 def make_rollout(backend: str, *, model_path: str, model, tokenizer, max_model_len: int, seed: int = 0,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", gpu_memory_utilization: float = 0.5):
     """backend "vllm": an engine loaded from model_path; "hf": generate with the trainer's own `model`."""
     if backend == "vllm":
-        return VLLMRollout(model_path, max_model_len=max_model_len, seed=seed, dtype=dtype)
+        return VLLMRollout(model_path, max_model_len=max_model_len, seed=seed, dtype=dtype,
+                           gpu_memory_utilization=gpu_memory_utilization)
     if backend == "hf":
         return HFRollout(model, tokenizer)
     raise ValueError(f"rollout backend must be 'vllm' or 'hf', got {backend!r}")
@@ -55,7 +55,10 @@ class VLLMRollout:
     """An in-process vLLM engine. Keep it alive for the whole run: its shutdown destroys the default
     process group (vLLM's cleanup), so close() comes after the run's last collective."""
 
-    def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0, dtype: str = "float32"):
+    def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0, dtype: str = "float32",
+                 gpu_memory_utilization: float = 0.5):
+        """gpu_memory_utilization: the share of device memory the engine takes on GPU (colocated with the trainer);
+        on CPU the engine takes a KV cache of CPU_KV_CACHE_BYTES instead."""
         # In-process engine: starts in seconds, and its worker (hence its weights) is reachable from here.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
@@ -63,7 +66,7 @@ class VLLMRollout:
 
         self.on_cpu = current_platform.is_cpu()
         memory = (dict(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES) if self.on_cpu
-                  else dict(gpu_memory_utilization=GPU_MEMORY_UTILIZATION, enable_sleep_mode=True))
+                  else dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True))
         self.llm = LLM(
             model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
             enforce_eager=True,  # no CUDA graphs / compile: fast start, and weights can be swapped freely
@@ -74,7 +77,8 @@ class VLLMRollout:
         )
         self.tied = self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
         # A bucket (update_weights) leaves most modules out on purpose, and vLLM's reload then warns about each
-        # of them at every call; hybrid_engine.py's verify_sync checks what arrived instead.
+        # of them at every call. hybrid_engine.py checks instead, at every sync, that the buckets together handed
+        # over every weight exactly once (and, with verify_sync, that the engine computes with them).
         logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
         self._warned_sleep = False
 

@@ -109,11 +109,11 @@ class SFTConfig:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The built-in policy: a character-level tokenizer and a tiny Qwen2, both made locally
+# The built-in policy: a byte-level tokenizer (one token per byte) and a tiny Qwen2, both made locally
 # ---------------------------------------------------------------------------------------------------
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer with no merges: one token per byte, so any text encodes.
 
     It is a GPT-2/Qwen-style byte-level BPE with an empty merge list, so transformers' Qwen2Tokenizer
@@ -301,7 +301,7 @@ def run(cfg: SFTConfig) -> str:
         default_train, default_val = builtin_files(cfg, out_dir + ".data")
         train_files, val_files = train_files or default_train, val_files or default_val
     if cfg.model_path is None:
-        tokenizer = build_char_tokenizer()
+        tokenizer = build_byte_tokenizer()
         model = build_tiny_qwen2(tokenizer, cfg)
     else:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)

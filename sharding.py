@@ -12,10 +12,11 @@ API (every function is called by every rank, in the same order; with no process 
     loss.backward(); norm = clip_grad_norm(model, 1.0)            # skip optimizer.step() when norm is not finite
     for bucket in full_weights(model, 1 << 28, torch.bfloat16):   # [(HF name, full tensor)], whole decoder layers
         engine.load(bucket)
-    save_checkpoint(ckpt_dir, step, model, optimizer, {"step": step, "rng": torch.get_rng_state()}, dist)
+    tmp = begin_checkpoint(ckpt_dir, step)                         # one process: ckpt_dir/step_N.tmp/
+    save_sharded(f"{tmp}/actor", model, optimizer, {"rng": torch.get_rng_state()}, dist)   # each model, a folder
+    commit_checkpoint(ckpt_dir, step)                              # one process: rename, then point `latest` at it
     path = find_latest(ckpt_dir)                                   # None when the run has no checkpoint yet
-    extra = load_checkpoint(ckpt_dir, model, optimizer, dist)      # any world size: DCP reshards on load
-    save_checkpoint(..., more={"critic": (critic, critic_optimizer)}); load_checkpoint(..., more=...)  # several models
+    extra = load_sharded(f"{path}/actor", model, optimizer, dist)  # any world size: DCP reshards on load
     export_hf(model, tokenizer, out_dir, dist)                     # a plain HF folder (from_pretrained, vLLM)
 
 Sharding: each decoder layer (the model's _no_split_modules classes) is one FSDP2 group, the root (embeddings,
@@ -24,15 +25,18 @@ the other ranks build the model on the meta device and receive their shards from
 is ever read from disk. With a single process (no process group) the model is returned unsharded and the
 MixedPrecisionPolicy does not apply (it computes in the load dtype).
 
-Checkpoint layout (a shared filesystem, as on one node): ckpt_dir/step_{N}/ holds DCP's .metadata and shards
-of {"model", "optim"} keyed by parameter name, so any world size can read it, plus extra_rank{r}.pt (each
-rank's `extra`: per-rank RNG states survive a same-size resume; a rank with no file of its own reads rank 0's).
-ckpt_dir/latest names the newest complete step folder.
+Checkpoint layout (a shared filesystem, as on one node): ckpt_dir/step_{N}/ holds one folder per model (the
+caller names them: actor/, critic/), each with DCP's .metadata and shards of {"model", "optim"} keyed by parameter
+name, so any world size can read it, plus extra_rank{r}.pt (each rank's `extra`: per-rank RNG states survive a
+same-size resume; a rank with no file of its own reads rank 0's). The models of one checkpoint may belong to
+different process groups (the Ray controller's split placement): each saves its own folder. ckpt_dir/latest
+names the newest complete step folder.
 """
 
 import os
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as tdist
@@ -44,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from comm import Dist, barrier
+from fileio import write_atomic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -220,60 +225,43 @@ def full_weights(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype |
 # ---------------------------------------------------------------------------------------------------
 
 
-def _write_atomic(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)  # atomic on POSIX: readers see the old or the new pointer, never half
-
-
-def _state(model, optimizer, more: dict[str, tuple] | None = None) -> dict:
-    """The DCP state of a model and its optimizer (None: the model only), keyed by parameter name (DTensor shards),
-    and that of more's (model, optimizer) pairs under their names.
+def _state(model, optimizer) -> dict:
+    """The DCP state of a model and its optimizer (None: the model only), keyed by parameter name (DTensor shards).
 
     get_state_dict creates AdamW's state (a zero-lr step) when none exists yet, so a load has a target to fill.
     """
     if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-    for name, (other, other_optimizer) in (more or {}).items():
-        state[name] = _state(other, other_optimizer)
-    return state
+        return {"model": get_model_state_dict(model)}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
 
 
-def _set_state(model, optimizer, state: dict, more: dict[str, tuple] | None = None) -> None:
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for name, (other, other_optimizer) in (more or {}).items():
-        _set_state(other, other_optimizer, state[name])
+def begin_checkpoint(ckpt_dir: str, step: int) -> str:
+    """A fresh ckpt_dir/step_{step}.tmp/ for the parts of one checkpoint (clearing what a crashed save left there);
+    returns it. One process calls it (rank 0, or the Ray driver), before the parts are written."""
+    tmp = os.path.join(ckpt_dir, f"step_{step}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
 
 
-def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, extra: dict, dist: Dist,
-                    more: dict[str, tuple] | None = None) -> str:
-    """Write ckpt_dir/step_{step}/ and point ckpt_dir/latest at it; returns the folder.
-
-    more: further (model, optimizer) pairs by name (a critic), in the same checkpoint. Written to
-    step_{step}.tmp, renamed when every rank is done, and only then is `latest` replaced, so a crash at any point
-    leaves `latest` on the previous complete checkpoint.
-    """
+def commit_checkpoint(ckpt_dir: str, step: int) -> str:
+    """Rename step_{step}.tmp to step_{step} once every part is written, then point ckpt_dir/latest at it; returns the
+    folder. A crash at any point leaves `latest` on the previous complete checkpoint. One process calls it."""
     final = os.path.join(ckpt_dir, f"step_{step}")
-    tmp = final + ".tmp"
-    if dist.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
-        os.makedirs(tmp)
-    barrier(dist)
-    dcp.save(_state(model, optimizer, more), checkpoint_id=tmp)
-    torch.save(extra, os.path.join(tmp, f"extra_rank{dist.rank}.pt"))
-    barrier(dist)
-    if dist.is_main:
-        shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run) replaces it
-        os.replace(tmp, final)
-        _write_atomic(os.path.join(ckpt_dir, "latest"), os.path.basename(final))
-    barrier(dist)
+    shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run) replaces it
+    os.replace(final + ".tmp", final)
+    write_atomic(os.path.join(ckpt_dir, "latest"), lambda tmp: Path(tmp).write_text(os.path.basename(final)))
     return final
+
+
+def save_sharded(path: str, model, optimizer, extra: dict, dist: Dist) -> None:
+    """One model's part of a checkpoint: DCP shards of {"model", "optim"} in the folder `path`, plus each rank's
+    `extra` (extra_rank{r}.pt). Collective over the model's ranks."""
+    os.makedirs(path, exist_ok=True)
+    dcp.save(_state(model, optimizer), checkpoint_id=path)
+    torch.save(extra, os.path.join(path, f"extra_rank{dist.rank}.pt"))
+    barrier(dist)
 
 
 def find_latest(ckpt_dir: str) -> str | None:
@@ -288,29 +276,26 @@ def find_latest(ckpt_dir: str) -> str | None:
         return os.path.join(ckpt_dir, f.read().strip())
 
 
-def _resolve(path_or_dir: str) -> str:
-    path = find_latest(path_or_dir) or path_or_dir
+def load_sharded(path: str, model, optimizer, dist: Dist) -> dict:
+    """Load a folder that save_sharded wrote into model and optimizer (None: the model only); returns this rank's
+    `extra` (rank 0's when this rank has no file: the world size changed).
+
+    Works whatever world size saved it: DCP reads each rank's slice of every named tensor.
+    """
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise RuntimeError(f"checkpoint {path} is incomplete or corrupt: it has no .metadata")
-    return path
-
-
-def load_checkpoint(path_or_dir: str, model, optimizer, dist: Dist, more: dict[str, tuple] | None = None) -> dict:
-    """Load a step folder (or the one a run's ckpt_dir/latest names) into model and optimizer (None: model only),
-    and into the (model, optimizer) pairs of more by name, as save_checkpoint wrote them.
-
-    Works whatever world size saved it: DCP reads each rank's slice of every named tensor. Returns `extra`.
-    """
-    path = _resolve(path_or_dir)
-    state = _state(model, optimizer, more)
+    state = _state(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, dcp.CheckpointException) as e:  # DCP's own error is a BaseException; it collects every
         # rank's read errors, so all ranks raise together
         raise RuntimeError(f"cannot read checkpoint {path}: {e}") from e
-    _set_state(model, optimizer, state, more)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     own = os.path.join(path, f"extra_rank{dist.rank}.pt")
     # our own file; weights_only=False because extra may hold numpy RNG states
     return torch.load(own if os.path.isfile(own) else os.path.join(path, "extra_rank0.pt"), weights_only=False)

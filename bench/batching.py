@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 python bench/batching.py --hidden-size 128 --num-layers 2 --batch-size 32 --steps 1   # quick
 
 One batch with skewed response lengths (lognormal, as RL rollouts are: most short, a few near the limit), one
-randomly initialised Qwen2 saved once, two ActorWorkers on it (ppo.py, one process, fp32 AdamW):
+randomly initialised Qwen2 saved once, two ActorWorkers on it (workers.py, one process, fp32 AdamW):
 - fixed: ppo_micro_batch_size sequences per micro-batch, every row padded to the batch's longest sequence;
 - dynamic: use_dynamic_bsz with ppo_max_token_len_per_gpu, use_remove_padding (one packed row per micro-batch).
 Both take one whole-batch optimizer step per update (ppo_mini_batch_size = the batch). The first update of each
@@ -26,8 +26,9 @@ import tyro  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from comm import init_distributed  # noqa: E402
-from ppo import ActorWorker, Config, pad_batch  # noqa: E402
-from sft import build_char_tokenizer  # noqa: E402
+from config import Config  # noqa: E402
+from workers import ActorWorker, pad_batch  # noqa: E402
+from sft import build_byte_tokenizer  # noqa: E402
 
 
 @dataclass
@@ -97,7 +98,7 @@ def measure(cfg: BenchConfig, model_dir: str, batch, **overrides) -> dict:
 
 def main(cfg: BenchConfig) -> None:
     torch.manual_seed(cfg.seed)
-    tokenizer = build_char_tokenizer()  # ActorWorker loads one; the token ids here are random anyway
+    tokenizer = build_byte_tokenizer()  # ActorWorker loads one; the token ids here are random anyway
     config = Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
                          intermediate_size=cfg.intermediate_size, num_attention_heads=cfg.hidden_size // 64,
                          num_key_value_heads=max(1, cfg.hidden_size // 256), tie_word_embeddings=True,

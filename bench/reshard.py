@@ -6,7 +6,7 @@
 For each size the launcher builds a Qwen2 from a config (random weights, tied embeddings, vocab 32k) and saves it;
 for each rollout dtype it runs this file under `torchrun --nproc_per_node=2` as the measuring workers. The trainer's
 master weights are fp32; the rollout dtype is the engine's, hence what the hybrid engine streams (its shards are
-cast before the gather) and the floor's bytes; bf16 is the usual production setting (ppo.py's engine computes in
+cast before the gather) and the floor's bytes; bf16 is the usual production setting (workers.py's engine computes in
 --fsdp.param-dtype). Each rank holds the FSDP2-sharded model (sharding.load_sharded_model) and its own in-process
 vLLM engine (rollout.VLLMRollout), and times, after one untimed round, `repeats` rounds of each way of putting the
 trainer's weights into the engines:

@@ -25,7 +25,7 @@ import tyro  # noqa: E402
 from data import tokenize_prompt  # noqa: E402
 from data.arith import ArithConfig, make_problems  # noqa: E402
 from rollout import HFRollout, VLLMRollout  # noqa: E402
-from sft import SFTConfig, build_char_tokenizer, build_tiny_qwen2  # noqa: E402
+from sft import SFTConfig, build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
 
 
 @dataclass
@@ -61,7 +61,7 @@ def timed(rollout, prompts: list[list[int]], cfg: BenchConfig) -> tuple[int, flo
 
 
 def main(cfg: BenchConfig):
-    tok = build_char_tokenizer()
+    tok = build_byte_tokenizer()
     model = build_tiny_qwen2(tok, SFTConfig(seed=cfg.seed)).to(getattr(torch, cfg.dtype))
     problems = make_problems(ArithConfig(), cfg.num_prompts, seed=cfg.seed)
     prompts = [tokenize_prompt(tok, [{"role": "user", "content": p["expression"]}]) for p in problems]

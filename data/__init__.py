@@ -8,8 +8,8 @@ Each row of a task's parquet file holds:
     extra_info    dict                      free-form (split, index, ...)
 
 Make the task files, then load them:
-    python data/arith.py                                       # data/arith/{train,val}.parquet
-    python data/gsm8k.py --local-dir /path/to/gsm8k            # data/gsm8k/{train,test}.parquet
+    python -m data.arith                                       # data/arith/{train,val}.parquet
+    python -m data.gsm8k --local-dir /path/to/gsm8k            # data/gsm8k/{train,test}.parquet
     python -c "from data import read_rl_parquet; print(read_rl_parquet('data/arith/val.parquet')[0])"
 Test:
     python -m pytest tests/test_data.py -q
@@ -20,12 +20,7 @@ import os
 
 import pyarrow.parquet as pq
 
-from data import arith, gsm8k
-
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
-
-# verl's names for the built-in tasks; custom tasks go through load_reward_fn(path)
-_SCORERS = {"arith": arith.compute_score, "openai/gsm8k": gsm8k.compute_score}
 
 
 def read_rl_parquet(path: str) -> list[dict]:
@@ -122,12 +117,16 @@ def default_compute_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
 ) -> float:
     """Score one response with the built-in verifier for its data_source."""
-    if data_source not in _SCORERS:
+    # imported here, not at the top: `python -m data.arith` imports this package first, and must not run arith twice
+    from data import arith, gsm8k
+
+    scorers = {"arith": arith.compute_score, "openai/gsm8k": gsm8k.compute_score}
+    if data_source not in scorers:
         raise ValueError(
-            f"no built-in verifier for data_source {data_source!r} (known: {sorted(_SCORERS)}); "
+            f"no built-in verifier for data_source {data_source!r} (known: {sorted(scorers)}); "
             "pass a custom reward function file instead"
         )
-    return float(_SCORERS[data_source](solution_str, ground_truth))
+    return float(scorers[data_source](solution_str, ground_truth))
 
 
 def load_reward_fn(path: str | None, name: str = "compute_score"):

@@ -1,8 +1,8 @@
 """The built-in arithmetic task: prompts like "12+34=" and an exact-integer verifier.
 
 Write data/arith/train.parquet and data/arith/val.parquet (verl's RL schema):
-    python data/arith.py
-    python data/arith.py --out-dir /tmp/arith --n-train 5000 --ops "+-*" --digits 3
+    python -m data.arith
+    python -m data.arith --out-dir /tmp/arith --n-train 5000 --ops "+-*" --digits 3
 Score a response from python:
     python -c "from data.arith import compute_score; print(compute_score('46', '46'))"
 Test:
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 import tyro
+
+from fileio import write_atomic
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
@@ -121,7 +123,7 @@ def to_row(problem: dict, split: str, index: int) -> dict:
     """One problem as a row of verl's RL schema."""
     return {
         "data_source": "arith",
-        # just the expression: a tiny character-level policy reads it
+        # just the expression: a tiny byte-level policy reads it
         "prompt": [{"role": "user", "content": problem["expression"] + "="}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
@@ -140,20 +142,13 @@ def make_splits(cfg: ArithConfig) -> tuple[list[dict], list[dict]]:
     )
 
 
-def _write_atomic(rows: list[dict], path: str) -> None:
-    # write beside the target, then rename: a crash never leaves a half-written parquet
-    tmp = path + ".tmp"
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    os.replace(tmp, path)
-
-
 def write_parquet(cfg: ArithConfig) -> tuple[str, str]:
     """Write train.parquet and val.parquet in cfg.out_dir; return their paths."""
     os.makedirs(cfg.out_dir, exist_ok=True)
     train_path, val_path = os.path.join(cfg.out_dir, "train.parquet"), os.path.join(cfg.out_dir, "val.parquet")
     train, val = make_splits(cfg)
-    _write_atomic(train, train_path)
-    _write_atomic(val, val_path)
+    write_atomic(train_path, lambda tmp: pq.write_table(pa.Table.from_pylist(train), tmp))
+    write_atomic(val_path, lambda tmp: pq.write_table(pa.Table.from_pylist(val), tmp))
     return train_path, val_path
 
 

@@ -1,8 +1,8 @@
 """GSM8K in verl's RL schema, and verl's GSM8K verifier.
 
 Convert openai/gsm8k to data/gsm8k/train.parquet and data/gsm8k/test.parquet:
-    python data/gsm8k.py                              # from the Hugging Face hub
-    python data/gsm8k.py --local-dir /path/to/gsm8k   # offline: a folder with train*/test* .parquet or .jsonl
+    python -m data.gsm8k                              # from the Hugging Face hub
+    python -m data.gsm8k --local-dir /path/to/gsm8k   # offline: a folder with train*/test* .parquet or .jsonl
 Score a response from python:
     python -c "from data.gsm8k import compute_score; print(compute_score('so #### 72', '72'))"
 Test:
@@ -18,6 +18,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import tyro
+
+from fileio import write_atomic
 
 SPLITS = ("train", "test")
 # verl's instruction, so scores compare with verl's runs
@@ -108,13 +110,6 @@ def load_hub() -> dict[str, list[dict]]:
     return {split: list(dataset[split]) for split in SPLITS}
 
 
-def _write_atomic(rows: list[dict], path: str) -> None:
-    # write beside the target, then rename: a crash never leaves a half-written parquet
-    tmp = path + ".tmp"
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    os.replace(tmp, path)
-
-
 def write_parquet(cfg: GSM8KConfig) -> tuple[str, str]:
     """Convert both splits and write train.parquet and test.parquet in cfg.out_dir; return their paths."""
     examples = load_hub() if cfg.local_dir is None else {s: load_local(cfg.local_dir, s) for s in SPLITS}
@@ -122,7 +117,8 @@ def write_parquet(cfg: GSM8KConfig) -> tuple[str, str]:
     paths = []
     for split in SPLITS:
         path = os.path.join(cfg.out_dir, f"{split}.parquet")
-        _write_atomic([to_row(example, split, i) for i, example in enumerate(examples[split])], path)
+        table = pa.Table.from_pylist([to_row(example, split, i) for i, example in enumerate(examples[split])])
+        write_atomic(path, lambda tmp: pq.write_table(table, tmp))  # a crash never leaves half a parquet
         paths.append(path)
     return tuple(paths)
 

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: import ppo, sft, ...
 
 from data.arith import ArithConfig, write_parquet  # noqa: E402
-from sft import SFTConfig, build_char_tokenizer, build_tiny_qwen2  # noqa: E402
+from sft import SFTConfig, build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
 
 # The tiny policy of most tests: 2 layers of width 64 (a few hundred thousand parameters with the byte vocabulary).
 TINY = SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
@@ -30,18 +30,18 @@ def assert_reward_rises(records: list[dict], by: float = 0.2):
 
 
 @pytest.fixture(scope="session")
-def char_tokenizer():
+def byte_tokenizer():
     """The built-in byte-level tokenizer (one token per byte) with its minimal chat template."""
-    return build_char_tokenizer()
+    return build_byte_tokenizer()
 
 
 @pytest.fixture(scope="session")
-def tiny_rl_setup(tmp_path_factory, char_tokenizer) -> dict:
+def tiny_rl_setup(tmp_path_factory, byte_tokenizer) -> dict:
     """A tiny random Qwen2 policy, a small arith task and the digit reward, on disk: grpo.py's arguments."""
     root = tmp_path_factory.mktemp("tiny_rl")
-    model = build_tiny_qwen2(char_tokenizer, TINY)
+    model = build_tiny_qwen2(byte_tokenizer, TINY)
     model.save_pretrained(root / "model")
-    char_tokenizer.save_pretrained(root / "model")
+    byte_tokenizer.save_pretrained(root / "model")
     train_file, val_file = write_parquet(ArithConfig(out_dir=str(root / "data"), n_train=512, n_val=16))
     (root / "reward.py").write_text(DIGIT_REWARD)
     return dict(model_path=str(root / "model"), train_files=train_file, val_files=val_file,

@@ -17,8 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from batching import split_by_tokens  # noqa: E402
+from batching import balance_ranks, flops_workload  # noqa: E402
 from comm import init_distributed, shutdown  # noqa: E402
-from ppo import ActorWorker, Config, pad_batch  # noqa: E402
+from config import Config  # noqa: E402
+from workers import ActorWorker, pad_batch  # noqa: E402
 
 N_SAMPLES, N_PROMPTS = 2, 4
 BUDGET = 24  # tokens: rank 0's sequences (27-39 tokens) run one by one, rank 1's (6-11) pack two or three at a time
@@ -80,9 +82,16 @@ def main(model_dir: str, out_dir: str):
         res[f"{name}_grads"] = grads[0]
         if name == "dynamic":
             res["own_count"] = len(split_by_tokens(mine["attention_mask"].sum(-1).tolist(), BUDGET))
-            balanced, res["balance_metrics"] = worker.balance(mine)
+            seqlens = mine["attention_mask"].sum(-1)  # [b]
+            balanced, res["balance_metrics"] = balance_ranks(mine, seqlens, seqlens, dist, unit=N_SAMPLES)
             res["balanced_rows"] = balanced["row"]
             res["balanced_tokens"] = balanced["attention_mask"].sum().item()
+            hidden = worker.model.config.hidden_size
+            flops = flops_workload(seqlens, hidden)  # [b], balance_by flops
+            balanced = balance_ranks(mine, seqlens, flops, dist, unit=N_SAMPLES)[0]
+            res["flops_rows"] = balanced["row"]
+            res["flops_before"] = flops.sum().item()
+            res["flops_after"] = flops_workload(balanced["attention_mask"].sum(-1), hidden).sum().item()
     torch.save(res, os.path.join(out_dir, f"rank{dist.rank}.pt"))
     shutdown(dist)
 

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from transformers import AutoTokenizer  # noqa: E402
 
 from comm import init_distributed, reduce_metrics, shutdown  # noqa: E402
-from sharding import (FSDPConfig, clip_grad_norm, export_hf, full_weights, load_checkpoint,  # noqa: E402
-                      load_sharded_model, save_checkpoint)
+from sharding import (FSDPConfig, clip_grad_norm, export_hf, full_weights, load_sharded,  # noqa: E402
+                      load_sharded_model, save_sharded)
 
 BATCH, SEQ = 4, 12
 MAX_NORM = 1.0  # below the tiny model's first gradient norms, so clipping is exercised
@@ -83,15 +83,14 @@ def main(model_dir: str, ckpt_from_1: str, out_dir: str):
         res["losses"].append(loss)
         res["norms"].append(norm)
         if step == 2:
-            save_checkpoint(os.path.join(out_dir, "ckpt"), step, model, optimizer, {"step": step, "rank": dist.rank},
-                            dist)
+            save_sharded(os.path.join(out_dir, "ckpt"), model, optimizer, {"step": step, "rank": dist.rank}, dist)
             res["optim_2"] = full_optim(model, optimizer)
     res["params_3"] = full_params(model)
 
     for name, ckpt in (("2to2", os.path.join(out_dir, "ckpt")), ("1to2", ckpt_from_1)):
         model = load_sharded_model(model_dir, dist)
         optimizer = make_optimizer(model)
-        res[f"{name}_extra"] = load_checkpoint(ckpt, model, optimizer, dist)
+        res[f"{name}_extra"] = load_sharded(ckpt, model, optimizer, dist)
         res[f"{name}_optim"] = full_optim(model, optimizer)
         res[f"{name}_loss"] = train_step(model, optimizer, batch, dist)[0]
         res[f"{name}_params"] = full_params(model)

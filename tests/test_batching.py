@@ -14,10 +14,11 @@ from dist_batching import capture_gradients, config, global_batch, with_rl_field
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-import ppo
+import workers
 from batching import karmarkar_karp, micro_batches, packing_works, split_by_tokens
 from comm import init_distributed
-from ppo import ActorWorker, AggMode, pad_batch, response_log_probs
+from core_algos import AggMode
+from workers import ActorWorker, pad_batch, response_log_probs
 from sft import SFTConfig, build_tiny_qwen2
 
 MODES = list(get_args(AggMode))
@@ -26,10 +27,10 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_batching
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory, char_tokenizer):
+def model_path(tmp_path_factory, byte_tokenizer):
     path = tmp_path_factory.mktemp("policy")
-    build_tiny_qwen2(char_tokenizer, TINY).save_pretrained(path)
-    char_tokenizer.save_pretrained(path)
+    build_tiny_qwen2(byte_tokenizer, TINY).save_pretrained(path)
+    byte_tokenizer.save_pretrained(path)
     return str(path)
 
 
@@ -43,10 +44,10 @@ def ragged_batch(vocab_size: int, pad_id: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_log_probs_equal_padded(char_tokenizer, attn):
-    model = build_tiny_qwen2(char_tokenizer, TINY)
+def test_packed_log_probs_equal_padded(byte_tokenizer, attn):
+    model = build_tiny_qwen2(byte_tokenizer, TINY)
     model.config._attn_implementation = attn
-    batch = ragged_batch(model.config.vocab_size, char_tokenizer.pad_token_id)
+    batch = ragged_batch(model.config.vocab_size, byte_tokenizer.pad_token_id)
     mask = batch["response_mask"].bool()
     padded = response_log_probs(model, batch, 0.7, with_entropy=True)
     packed = response_log_probs(model, batch, 0.7, with_entropy=True, remove_padding=True)
@@ -59,16 +60,16 @@ def plain_causal(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
 
-def test_packing_works_tells_leaking_attention_apart(char_tokenizer):
+def test_packing_works_tells_leaking_attention_apart(byte_tokenizer):
     AttentionInterface.register("plain_causal", plain_causal)
-    model = build_tiny_qwen2(char_tokenizer, TINY)
+    model = build_tiny_qwen2(byte_tokenizer, TINY)
     assert packing_works(model)  # sdpa: transformers builds the block-diagonal mask from position_ids
     model.config._attn_implementation = "plain_causal"
     assert not packing_works(model)
 
 
 def test_remove_padding_falls_back_with_a_message(model_path, monkeypatch, capsys):
-    monkeypatch.setattr(ppo, "packing_works", lambda model: False)
+    monkeypatch.setattr(workers, "packing_works", lambda model: False)
     worker = ActorWorker(config(model_path, use_remove_padding=True), model_path, init_distributed())
     assert not worker.remove_padding and "running padded micro-batches instead" in capsys.readouterr().out
 
@@ -175,4 +176,9 @@ def test_two_ranks(model_path, tmp_path):
     m = ranks[0]["balance_metrics"]
     tokens = [r["balanced_tokens"] for r in ranks]
     assert m["global_seqlen/balanced_minmax_diff"] == max(tokens) - min(tokens)
+    # balance_by flops: whole groups again, and the ranks' FLOPs closer than in the split they started from
+    rows = [r["flops_rows"] for r in ranks]
+    assert sorted(torch.cat(rows).tolist()) == list(range(8)) and len(rows[0]) == len(rows[1])
+    before, after = [r["flops_before"] for r in ranks], [r["flops_after"] for r in ranks]
+    assert abs(after[0] - after[1]) < 0.5 * abs(before[0] - before[1]), (before, after)
     assert m["global_seqlen/balanced_minmax_diff"] < m["global_seqlen/minmax_diff"]

@@ -194,13 +194,13 @@ def test_read_rl_parquet_plain_python(tmp_path):
     assert type(got["prompt"]) is list and type(got["prompt"][0]) is dict
 
 
-def test_rl_dataset_items(tmp_path, char_tokenizer):
+def test_rl_dataset_items(tmp_path, byte_tokenizer):
     first = write([row("12+34=", "46")], tmp_path / "one.parquet")
     second = write([row("9-9=", "0"), row("#### 7", "7", "openai/gsm8k")], tmp_path / "two.parquet")
-    dataset = RLDataset([first, second], char_tokenizer, max_prompt_length=9)
+    dataset = RLDataset([first, second], byte_tokenizer, max_prompt_length=9)
     assert len(dataset) == 3 and dataset.num_truncated == 0
     item = dataset[0]
-    assert char_tokenizer.convert_ids_to_tokens(item["prompt_ids"]) == (
+    assert byte_tokenizer.convert_ids_to_tokens(item["prompt_ids"]) == (
         ["<|user|>"] + list("12+34=") + ["<|end|>", "<|assistant|>"]
     )
     assert type(item["prompt_ids"]) is list and all(type(i) is int for i in item["prompt_ids"])
@@ -213,19 +213,19 @@ def test_rl_dataset_items(tmp_path, char_tokenizer):
     assert (dataset[2]["index"], dataset[2]["data_source"], dataset[2]["ground_truth"]) == (2, "openai/gsm8k", "7")
 
 
-def test_rl_dataset_too_long(tmp_path, char_tokenizer):
+def test_rl_dataset_too_long(tmp_path, byte_tokenizer):
     path = write([row("1+1="), row("12345+67890=")], tmp_path / "long.parquet")
     with pytest.raises(ValueError, match=r"row 1: prompt is 15 tokens, over max_prompt_length=10"):
-        RLDataset(path, char_tokenizer, max_prompt_length=10)
+        RLDataset(path, byte_tokenizer, max_prompt_length=10)
 
 
-def test_rl_dataset_truncates_left(tmp_path, char_tokenizer):
+def test_rl_dataset_truncates_left(tmp_path, byte_tokenizer):
     path = write([row("1+1="), row("12345+67890="), row("123456789+1=")], tmp_path / "long.parquet")
-    dataset = RLDataset(path, char_tokenizer, max_prompt_length=10, truncate=True)
-    full = tokenize_prompt(char_tokenizer, [{"role": "user", "content": "12345+67890="}])
+    dataset = RLDataset(path, byte_tokenizer, max_prompt_length=10, truncate=True)
+    full = tokenize_prompt(byte_tokenizer, [{"role": "user", "content": "12345+67890="}])
     assert dataset.num_truncated == 2
     assert dataset[1]["prompt_ids"] == full[-10:]
-    assert char_tokenizer.decode(dataset[1]["prompt_ids"]) == "5+67890=<|end|><|assistant|>"
+    assert byte_tokenizer.decode(dataset[1]["prompt_ids"]) == "5+67890=<|end|><|assistant|>"
     assert len(dataset[0]["prompt_ids"]) == 7
 
 

@@ -3,17 +3,21 @@
     python -m pytest tests/test_grpo.py -q
 
 A tiny random policy learns a dense custom reward (the share of digits in its response): mean reward
-of the last steps must clearly exceed the first steps'. The same run checks what a run leaves behind.
+of the last steps must clearly exceed the first steps'. The same run checks what a run leaves behind. RLOO and
+REINFORCE++ learn it too, and a sync that the verification rejects stops a run.
 """
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from conftest import assert_reward_rises
 
 from hybrid_engine import HybridConfig
-from ppo import Config, train
+from config import Config
+from ppo import train
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +43,29 @@ def test_run_outputs(run):
                 "reshard/max_memory_extra_gb", "reshard/probe_logprob_diff_max"}
     for r in lines[1:]:
         assert expected <= r.keys(), expected - r.keys()
-        assert r["reshard/buckets"] == 1 and r["reshard/probe_logprob_diff_max"] <= 1e-4
+        assert r["reshard/buckets"] == 1 and r["reshard/bytes"] > 0
     assert [r["step"] for r in lines if "val/accuracy" in r] == [0, 8, 16]
     # vLLM samples with the weights the trainer holds: the log-prob gap stays at float rounding
     assert max(r["rollout/logprob_diff_max"] for r in lines[1:]) < 1e-3
     assert os.path.getsize(os.path.join(cfg.out_dir, "curves.png")) > 1000
     assert os.path.exists(os.path.join(cfg.out_dir, "final", "model.safetensors"))
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus"])
+def test_other_critic_free_estimators_learn(tiny_rl_setup, tmp_path, estimator):
+    """RLOO (leave-one-out baseline) and REINFORCE++ (whitened returns) learn the same reward end to end."""
+    cfg = Config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6,
+                 lr=3e-3, total_steps=16, eval_every=16, out_dir=str(tmp_path / "out"), adv_estimator=estimator)
+    assert_reward_rises(train(cfg))
+
+
+def test_a_sync_beyond_verify_tol_stops_the_run(tiny_rl_setup, tmp_path):
+    """The loop's weight syncs are verified for real: a tolerance below the engine/trainer rounding gap (a few
+    1e-6 in fp32) makes the first sync fail, and the run stops with the probe's message."""
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in tiny_rl_setup.items()]
+    argv += ["--total-steps=1", f"--out-dir={tmp_path}", "--hybrid.verify-sync", "--hybrid.verify-tol=1e-12"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "grpo.py"), *argv], capture_output=True, text=True,
+                          timeout=300, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "the engine's probe log-probs differ from the trainer's" in proc.stderr and "verify_tol=1e-12" in proc.stderr

@@ -1,6 +1,7 @@
-"""Hand-checked tests of the loss maths: ppo.py's masked_mean, agg_loss, policy_loss, tis_weights, value_loss,
-kl_penalty, entropy_from_logits, token rewards and the in-reward KL controller, GAE, REINFORCE++(-baseline),
-whitening, and grpo.py's group_advantages / grpo_advantages / rloo_advantages. Tiny tensors, no models.
+"""Hand-checked tests of core_algos.py: masked_mean, agg_loss, policy_loss, tis_weights, value_loss, kl_penalty,
+entropy_from_logits, token rewards and the in-reward KL controller, GAE, REINFORCE++(-baseline), whitening,
+group_advantages / grpo_advantages / rloo_advantages, compute_advantages; and Config's checks. Tiny tensors, no
+models.
     python -m pytest tests/test_losses.py -q
 
 Every expected value is written out by hand (literal numbers or scalar python with math), never by
@@ -12,18 +13,16 @@ from typing import get_args
 
 import pytest
 import torch
-from tensordict import TensorDict
 
-from comm import init_distributed
+from config import Config
+from core_algos import (AggMode, agg_loss, compute_advantages, entropy_from_logits, gae, gae_advantages,
+                        group_advantages, grpo_advantages, kl_in_reward, kl_penalty, last_token, masked_mean,
+                        masked_whiten, policy_loss, reinforce_pp_advantages, rloo_advantages, tis_weights,
+                        update_kl_coef, value_loss)
 from hybrid_engine import HybridConfig
-from grpo import group_advantages, grpo_advantages, rloo_advantages
-from ppo import (ADVANTAGE_ESTIMATORS, AggMode, Config, agg_loss, entropy_from_logits, gae, gae_advantages,
-                 kl_in_reward, kl_penalty, last_token, masked_mean, masked_whiten, policy_loss, reinforce_pp_advantages,
-                 tis_weights, update_kl_coef, value_loss)
 
 MODES = list(get_args(AggMode))
 EPS = 1e-6  # group_advantages' default eps
-DIST = init_distributed()  # one process: whitening statistics are this batch's
 
 
 def approx(x, rel=1e-6, abs=1e-6):
@@ -371,9 +370,7 @@ def test_grpo_advantages_broadcast_and_zero_padding(norm):
                          [1.0, 0.0, 0.0, 0.0],
                          [1.0, 1.0, 1.0, 1.0],
                          [1.0, 1.0, 0.0, 0.0]])
-    batch = TensorDict(scores=torch.tensor([1.0, 0.0, 0.5, 2.5]), group=torch.tensor([0, 0, 1, 1]),
-                       response_mask=mask, batch_size=[4])
-    adv, returns = grpo_advantages(batch, Config(norm_adv_by_std=norm), DIST)
+    adv, returns = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 2.5]), torch.tensor([0, 0, 1, 1]), mask, norm)
     assert returns is adv  # no critic: verl's returns are the advantages
     assert adv.shape == (4, 4)
     s0, s1 = (math.sqrt(0.5) + EPS, math.sqrt(2.0) + EPS) if norm else (1.0, 1.0)
@@ -388,10 +385,10 @@ def test_grpo_advantages_broadcast_and_zero_padding(norm):
 
 
 def test_grpo_advantages_default_config_normalises_by_std():
-    batch = TensorDict(scores=torch.tensor([1.0, 0.0]), group=torch.tensor([0, 0]),
-                       response_mask=torch.ones(2, 2), batch_size=[2])
     s = math.sqrt(0.5) + EPS
-    adv = grpo_advantages(batch, Config(), DIST)[0]
+    adv = compute_advantages("grpo", token_level_rewards=None, response_mask=torch.ones(2, 2),
+                             scores=torch.tensor([1.0, 0.0]), group=torch.tensor([0, 0]),
+                             norm_adv_by_std=Config().norm_adv_by_std)[0]
     assert adv.flatten().tolist() == approx([0.5 / s, 0.5 / s, -0.5 / s, -0.5 / s])
 
 
@@ -462,10 +459,8 @@ def test_kl_in_reward_by_hand():
     logp = torch.tensor([[-1.0, -2.0, -0.5, -9.0], [-0.25, -3.0, -9.0, -9.0]], dtype=torch.float64)
     ref = torch.tensor([[-2.0, -1.0, -0.5, 0.0], [-0.75, -1.0, 0.0, 0.0]], dtype=torch.float64)
     # k1 = logp - ref: [[1, -1, 0, pad], [0.5, -2, pad, pad]]; per-response means 0 and -0.75
-    batch = TensorDict(old_log_probs=logp, ref_log_probs=ref, response_mask=mask,
-                       token_level_rewards=last_token(torch.tensor([1.0, 0.0], dtype=torch.float64), mask),
-                       batch_size=[2])
-    rewards, mean_kl = kl_in_reward(batch, 0.1, "k1")
+    token_rewards = last_token(torch.tensor([1.0, 0.0], dtype=torch.float64), mask)
+    rewards, mean_kl = kl_in_reward(token_rewards, logp, ref, mask, 0.1, "k1")
     close(rewards, [[-0.1, 0.1, 1.0, 0.0], [-0.05, 0.2, 0.0, 0.0]])
     assert mean_kl == approx((0.0 - 0.75) / 2)
 
@@ -477,9 +472,8 @@ def test_kl_in_reward_by_hand():
     (0.0, 0.2 * (1 - 0.2 * 256 / 1024)),    # error -1 clipped to -0.2 -> 0.19
 ])
 def test_adaptive_kl_coefficient_after_one_update(kl, expected):
-    cfg = Config(kl_ctrl_type="adaptive", kl_target=0.1, kl_horizon=1024)
-    assert update_kl_coef(0.2, kl, 256, cfg) == approx(expected)
-    assert update_kl_coef(0.2, kl, 256, Config(kl_ctrl_type="fixed")) == 0.2
+    assert update_kl_coef(0.2, kl, 256, "adaptive", 0.1, 1024) == approx(expected)
+    assert update_kl_coef(0.2, kl, 256, "fixed", 0.1, 1024) == 0.2
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -518,14 +512,13 @@ def _whiten_by_hand(xs):
 
 def test_masked_whiten_over_real_tokens_only():
     x = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 5.0, -100.0, 100.0]], dtype=torch.float64)
-    out = masked_whiten(x, GAE_MASK, DIST)
+    out = masked_whiten(x, GAE_MASK)
     w = _whiten_by_hand([1.0, 2.0, 3.0, 4.0, 5.0])  # mean 3, var 10 / 4 = 2.5
     close(out, [[w[0], w[1], w[2], 0.0], [w[3], w[4], 0.0, 0.0]])
 
 
 def test_gae_advantages_whitened_and_returns_raw():
-    batch = TensorDict(token_level_rewards=GAE_REWARDS, values=GAE_VALUES, response_mask=GAE_MASK, batch_size=[2])
-    adv, ret = gae_advantages(batch, Config(gamma=1.0, lam=1.0), DIST)
+    adv, ret = gae_advantages(GAE_REWARDS, GAE_VALUES, GAE_MASK, gamma=1.0, lam=1.0)
     w = _whiten_by_hand([0.8, 0.6, 0.4, 0.4, 0.2])
     close(adv, [[w[0], w[1], w[2], 0.0], [w[3], w[4], 0.0, 0.0]])
     close(ret, [[1.0, 1.0, 1.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
@@ -534,13 +527,12 @@ def test_gae_advantages_whitened_and_returns_raw():
 def test_reinforce_pp_discounted_return_of_token_rewards():
     # token rewards with a KL penalty on each token: row 0 [-0.1, -0.2, 1 - 0.1], row 1 [0.05, 0.5 - 0.05]
     rewards = torch.tensor([[-0.1, -0.2, 0.9, 7.0], [0.05, 0.45, 7.0, 7.0]], dtype=torch.float64)
-    batch = TensorDict(token_level_rewards=rewards, response_mask=GAE_MASK, batch_size=[2])
-    adv, ret = reinforce_pp_advantages(batch, Config(gamma=1.0), DIST)
+    adv, ret = reinforce_pp_advantages(rewards, GAE_MASK, gamma=1.0)
     close(ret, [[0.6, 0.7, 0.9, 0.0], [0.5, 0.45, 0.0, 0.0]])
     w = _whiten_by_hand([0.6, 0.7, 0.9, 0.5, 0.45])
     close(adv, [[w[0], w[1], w[2], 0.0], [w[3], w[4], 0.0, 0.0]])
     # gamma 0.5: G2 = 0.9, G1 = -0.2 + 0.45 = 0.25, G0 = -0.1 + 0.125 = 0.025; G1 = 0.45, G0 = 0.05 + 0.225 = 0.275
-    ret = reinforce_pp_advantages(batch, Config(gamma=0.5), DIST)[1]
+    ret = reinforce_pp_advantages(rewards, GAE_MASK, gamma=0.5)[1]
     close(ret, [[0.025, 0.25, 0.9, 0.0], [0.275, 0.45, 0.0, 0.0]])
 
 
@@ -548,9 +540,9 @@ def test_reinforce_pp_baseline_subtracts_the_group_mean_score():
     # groups {0, 1} with scores 1, 0 (mean 0.5) and {2, 3} with 0.5, 0.3 (mean 0.4); row 0 and 3 carry a KL penalty
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
     rewards = torch.tensor([[-0.1, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.5], [-0.2, 0.3, 0.0]], dtype=torch.float64)
-    batch = TensorDict(token_level_rewards=rewards, response_mask=mask, scores=torch.tensor([1.0, 0.0, 0.5, 0.3]),
-                       group=torch.tensor([0, 0, 1, 1]), batch_size=[4])
-    adv, ret = ADVANTAGE_ESTIMATORS["reinforce_plus_plus_baseline"](batch, Config(gamma=1.0), DIST)
+    adv, ret = compute_advantages("reinforce_plus_plus_baseline", token_level_rewards=rewards, response_mask=mask,
+                                  scores=torch.tensor([1.0, 0.0, 0.5, 0.3]), group=torch.tensor([0, 0, 1, 1]),
+                                  gamma=1.0)
     # centred scores 0.5, -0.5, 0.1, -0.1 replace the last-token scores; returns are the rewards-to-go
     expected = [[0.4, 0.5], [-0.5], [0.1, 0.1, 0.1], [-0.3, -0.1]]
     assert [r[: len(e)] for r, e in zip(ret.tolist(), expected)] == [approx(e) for e in expected]
@@ -572,8 +564,7 @@ def test_rloo_leave_one_out_baseline_by_hand():
     scores = torch.tensor([1.0, 0.5, 0.0, 2.0, 0.0, -1.0, 1.0])
     group = torch.tensor([0, 1, 0, 1, 0, 1, 0])
     mask = torch.tensor([[1.0, 1.0, 0.0]] * 7)
-    batch = TensorDict(scores=scores, group=group, response_mask=mask, batch_size=[7])
-    adv, ret = rloo_advantages(batch, Config(adv_estimator="rloo"), DIST)
+    adv, ret = rloo_advantages(scores, group, mask)
     expected = [2 / 3, 0.0, -2 / 3, 2.25, -2 / 3, -2.25, 2 / 3]
     assert adv[:, 0].tolist() == approx(expected) and adv[:, 1].tolist() == approx(expected)
     assert (adv[:, 2] == 0).all() and ret is adv

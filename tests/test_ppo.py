@@ -9,33 +9,34 @@ from typing import get_args
 import pytest
 import torch
 
-from grpo import grpo_advantages
 from comm import init_distributed
+from config import Config
+from core_algos import AggMode, grpo_advantages
 from hybrid_engine import HybridConfig
-from ppo import ActorWorker, AggMode, Config, CriticWorker
 from sft import SFTConfig, build_tiny_qwen2
+from workers import ActorWorker, CriticWorker
 
 MODES = list(get_args(AggMode))
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory, char_tokenizer):
+def model_path(tmp_path_factory, byte_tokenizer):
     path = tmp_path_factory.mktemp("policy")
-    model = build_tiny_qwen2(char_tokenizer, SFTConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+    model = build_tiny_qwen2(byte_tokenizer, SFTConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                                                        intermediate_size=64))
     model.save_pretrained(path)
-    char_tokenizer.save_pretrained(path)
+    byte_tokenizer.save_pretrained(path)
     return str(path)
 
 
 def make_batch(worker: ActorWorker, seed: int = 0):
     """A sampled batch with rewards, old log-probs and GRPO advantages, as the loop builds it."""
     prompts = [worker.tokenizer(t)["input_ids"] for t in ["1+2=", "33-4=", "7+8=", "9-9="]]
-    batch = worker.generate(prompts, seeds=[seed + i for i in range(len(prompts))])
+    batch, _ = worker.generate(prompts, seeds=[seed + i for i in range(len(prompts))])
     batch["group"] = torch.arange(len(prompts)).repeat_interleave(worker.cfg.rollout_n)
     batch["scores"] = batch["response_mask"].sum(-1) % 3 / 2.0  # any reward that differs within groups
     batch["old_log_probs"] = worker.log_probs(batch)
-    batch["advantages"] = grpo_advantages(batch, worker.cfg, worker.dist)[0]
+    batch["advantages"] = grpo_advantages(batch["scores"], batch["group"], batch["response_mask"], True)[0]
     return batch
 
 
@@ -83,21 +84,35 @@ def test_hf_rollout_passes_sync_verification(model_path):
     cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=2, max_response_length=6,
                  hybrid=HybridConfig(verify_sync=True))
     worker = ActorWorker(cfg, model_path, init_distributed())
-    metrics = {}
-    with worker.hybrid.rollout_mode(metrics):  # raises, naming a parameter, if a checksum or the probe disagrees
-        pass
+    # generate enters rollout mode, which raises, naming a parameter, if a checksum or the probe disagrees
+    _, metrics = worker.generate([[5, 6, 7]], seeds=[0])
     assert metrics["reshard/buckets"] >= 1 and metrics["reshard/probe_logprob_diff_max"] == 0.0
 
 
 def test_tis_weights_reach_the_update(model_path):
-    """With tis_cap the update reports TIS metrics; HF generate samples with the trainer's own weights, so the
-    rollout and old log-probs agree and every weight is ~1 (nothing truncated)."""
+    """The engine's log-probs set apart from the trainer's (ratios e^-1, e^0.5 and e^1.5, the last capped at 2):
+    one on-policy mini-batch with tis_cap updates exactly as plain PPO does on advantages times the truncated
+    weights, and not as plain PPO on the raw advantages."""
     cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
                  max_response_length=6, tis_cap=2.0)
     worker = ActorWorker(cfg, model_path, init_distributed())
-    metrics = worker.update(make_batch(worker))
-    assert metrics["actor/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
-    assert metrics["actor/tis_clipfrac"] == 0.0
+    batch = make_batch(worker)
+    mask = batch["response_mask"]
+    offsets = torch.tensor([-1.0, 0.5, 1.5]).repeat(mask.shape[1])[: mask.shape[1]]  # [R]: old - rollout
+    batch["rollout_log_probs"] = (batch["old_log_probs"] - offsets) * mask
+    metrics = worker.update(batch.clone())
+    weights = offsets.exp().clamp(max=2.0) * mask  # [B, R]
+    assert metrics["actor/tis_clipfrac"] == pytest.approx(((offsets == 1.5) * mask).sum().item() / mask.sum().item())
+    assert metrics["actor/tis_weight_mean"] == pytest.approx(weights.sum().item() / mask.sum().item(), rel=1e-5)
+    results = {}
+    for name, advantages in (("weighted", batch["advantages"] * weights), ("raw", batch["advantages"])):
+        plain = ActorWorker(replace(cfg, tis_cap=None), model_path, init_distributed())
+        plain.update(batch.clone().set("advantages", advantages))
+        results[name] = params(plain)
+    tis = params(worker)
+    for k in tis:
+        torch.testing.assert_close(tis[k], results["weighted"][k], atol=1e-6, rtol=1e-5)
+    assert max((tis[k] - results["raw"][k]).abs().max().item() for k in tis) > 1e-4, "TIS changed nothing"
     with pytest.raises(ValueError, match="tis_cap"):
         Config(tis_cap=0.0)
 
@@ -159,3 +174,47 @@ def test_critic_fits_the_returns(model_path, critic_setup):
         batch["values"] = critic.values(batch)
         losses.append(critic.update(batch)["critic/vf_loss"])
     assert losses[-1] < 0.2 * losses[0], losses
+
+
+def test_ppo_epochs_replay_the_batch(model_path):
+    """ppo_epochs=2 is two passes over the same batch with the same old log-probs: the weights of one update with
+    2 epochs equal those of two updates with 1, and the second pass starts off-policy (a nonzero ratio)."""
+    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=2,
+                 max_response_length=6, lr=1e-2)
+    once = ActorWorker(cfg, model_path, init_distributed())
+    batch = make_batch(once)
+    first = once.update(batch)
+    second = once.update(batch)
+    twice = ActorWorker(replace(cfg, ppo_epochs=2), model_path, init_distributed())
+    both = twice.update(batch)
+    for name, weight in params(once).items():
+        torch.testing.assert_close(params(twice)[name], weight, atol=1e-6, rtol=1e-5)
+    assert abs(second["actor/ppo_kl"]) > 1e-4  # the replayed pass sees a moved policy
+    assert both["actor/ppo_kl"] == pytest.approx((first["actor/ppo_kl"] + second["actor/ppo_kl"]) / 2, abs=1e-6)
+
+
+@pytest.mark.parametrize("coeff", [0.5, -0.5])
+def test_entropy_bonus_raises_the_entropy(model_path, coeff):
+    """With zero advantages only the bonus pulls: entropy_coeff > 0 raises the policy's entropy on the batch (the
+    loss subtracts coeff * entropy), < 0 lowers it."""
+    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+                 max_response_length=6, lr=1e-2, entropy_coeff=coeff)
+    worker = ActorWorker(cfg, model_path, init_distributed())
+    batch = make_batch(worker)
+    batch["advantages"] = torch.zeros_like(batch["advantages"])
+    before = worker.update(batch)["actor/entropy"]  # the entropy the first step saw, then it moved
+    after = worker.update(batch)["actor/entropy"]
+    assert (after - before) * coeff > 1e-4, (before, after)
+
+
+def test_a_sync_that_leaves_out_a_weight_raises_naming_it(model_path, monkeypatch):
+    """Every sync checks that its buckets handed over each weight once (vLLM's own warnings are muted)."""
+    import hybrid_engine
+
+    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=2, max_response_length=6)
+    worker = ActorWorker(cfg, model_path, init_distributed())
+    clean = hybrid_engine.full_weights
+    monkeypatch.setattr(hybrid_engine, "full_weights", lambda *args: (
+        [(n, t) for n, t in bucket if n != "model.norm.weight"] for bucket in clean(*args)))
+    with pytest.raises(RuntimeError, match=r"left out \['model.norm.weight'\]"):
+        worker.generate([[5, 6, 7]], seeds=[0])

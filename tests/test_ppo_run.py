@@ -9,11 +9,15 @@ for the warm-up), the KL controller's recursion across steps, the metrics and wh
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
+from safetensors.torch import load_file
 from conftest import assert_reward_rises
 
-from ppo import Config, train, update_kl_coef
+from config import Config
+from core_algos import update_kl_coef
+from ppo import train
 
 WARMUP = 2
 
@@ -45,7 +49,8 @@ def test_adaptive_kl_coefficient_follows_the_controller(run):
     assert steps[0]["actor/reward_kl_penalty"] == 0.0  # the policy is the reference until the first actor update
     for before, after in zip(steps, steps[1:]):
         expected = update_kl_coef(before["actor/reward_kl_penalty_coeff"], before["actor/reward_kl_penalty"],
-                                  cfg.train_batch_size * cfg.rollout_n, cfg)
+                                  cfg.train_batch_size * cfg.rollout_n, cfg.kl_ctrl_type, cfg.kl_target,
+                                  cfg.kl_horizon)
         assert after["actor/reward_kl_penalty_coeff"] == pytest.approx(expected, rel=1e-12)
     coeffs = [r["actor/reward_kl_penalty_coeff"] for r in steps]
     assert coeffs[1] < coeffs[0], "no KL during the warm-up (under the target): the coefficient falls"
@@ -66,3 +71,21 @@ def test_run_outputs(run):
     assert [r["step"] for r in lines if "val/accuracy" in r] == [0, 8, 16]
     assert os.path.exists(os.path.join(cfg.out_dir, "final", "model.safetensors"))
     assert os.path.exists(os.path.join(cfg.out_dir, "critic", "model.safetensors"))
+
+
+def test_critic_starts_from_critic_model_path(run, tmp_path):
+    """A run given critic_model_path (the trained critic this run exported, value head included) starts its critic
+    there: at a critic_lr far below fp32 resolution, one step exports that critic unchanged."""
+    cfg, _ = run
+    trained_dir = os.path.join(cfg.out_dir, "critic")
+    follow = replace(cfg, critic_model_path=trained_dir, critic_lr=1e-30, critic_warmup=0, total_steps=1,
+                     eval_every=1, out_dir=str(tmp_path))
+    train(follow)
+    trained = load_file(os.path.join(trained_dir, "model.safetensors"))
+    exported = load_file(os.path.join(tmp_path, "critic", "model.safetensors"))
+    assert exported.keys() == trained.keys() and "score.weight" in trained
+    for name, weight in trained.items():
+        assert (exported[name] - weight).abs().max() <= 1e-6, name
+    fresh = load_file(os.path.join(cfg.model_path, "model.safetensors"))  # what a critic from the policy would hold
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert (trained[name] - fresh[name]).abs().max() > 1e-3, "the trained critic must differ from the policy"

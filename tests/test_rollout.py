@@ -15,7 +15,7 @@ from transformers import Qwen2ForCausalLM
 from data import tokenize_prompt
 from rollout import HFRollout, VLLMRollout
 from conftest import TINY
-from sft import build_char_tokenizer, build_tiny_qwen2
+from sft import build_byte_tokenizer, build_tiny_qwen2
 
 QUESTIONS = ["12+34=", "7-5=", "99+1=", "3+3=", "50-25="]
 MAX_LEN = 64
@@ -70,7 +70,7 @@ def assert_structure(out, n_prompts: int, n: int, max_tokens: int, eos: int):
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    tok = build_char_tokenizer()
+    tok = build_byte_tokenizer()
     model = build_tiny_qwen2(tok, TINY).eval()
     path = tmp_path_factory.mktemp("tied")
     model.save_pretrained(path)
@@ -177,7 +177,7 @@ def test_hf_rollout_same_interface(policy, engine, eos_prone):
 
 
 def test_untied_lm_head_updates(tmp_path):
-    tok = build_char_tokenizer()
+    tok = build_byte_tokenizer()
     config = build_tiny_qwen2(tok, TINY).config
     config.tie_word_embeddings = False
     torch.manual_seed(0)

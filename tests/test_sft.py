@@ -26,16 +26,16 @@ def test_read_sft_rows_names_the_missing_field(tmp_path):
         read_sft_rows(train_file, "prompt", "extra_info.nope")
 
 
-def test_warm_start_learns_then_takes_the_teachers_habit(tmp_path, char_tokenizer):
+def test_warm_start_learns_then_takes_the_teachers_habit(tmp_path, byte_tokenizer):
     # one-digit sums: a tiny model learns them in a few hundred steps; the teacher forgets every carry. Phase 1 runs
     # to 95%: with units digits still wrong at 80% (one CPU measured 0.73 below), the habit check would test them
     task = ArithConfig(out_dir=str(tmp_path / "data"), ops="+", digits=1, n_train=2000, n_val=40, teacher_slip=1.0)
     train_file, _ = write_parquet(task)
     cfg = replace(TINY, batch_size=64, max_steps=600, eval_every=25, stop_accuracy=0.95, habit_steps=150)
-    model = build_tiny_qwen2(char_tokenizer, cfg)
+    model = build_tiny_qwen2(byte_tokenizer, cfg)
     # scored on training sums: this checks the two phases, not generalisation from ~60 distinct sums
     val = list({r["extra_info"]["expression"]: r for r in read_rl_parquet(train_file)}.values())
-    result = train(cfg, model, char_tokenizer, read_sft_rows(train_file, "prompt", "extra_info.answer"), val,
+    result = train(cfg, model, byte_tokenizer, read_sft_rows(train_file, "prompt", "extra_info.answer"), val,
                    str(tmp_path / "out"), habit_pairs=read_sft_rows(train_file, "prompt", "extra_info.teacher_answer"))
     learned = [h for h in result["history"] if h["phase"] == "sft"]
     habit = [h for h in result["history"] if h["phase"] != "sft"]
@@ -45,6 +45,6 @@ def test_warm_start_learns_then_takes_the_teachers_habit(tmp_path, char_tokenize
     carry = [r for r in val if r["extra_info"]["answer"] != r["extra_info"]["teacher_answer"]]
     as_taught = [{**r, "reward_model": {**r["reward_model"], "ground_truth": r["extra_info"]["teacher_answer"]}}
                  for r in carry]
-    assert greedy_accuracy(model, char_tokenizer, carry, max_new_tokens=4) <= 0.2
-    assert greedy_accuracy(model, char_tokenizer, as_taught, max_new_tokens=4) >= 0.8
+    assert greedy_accuracy(model, byte_tokenizer, carry, max_new_tokens=4) <= 0.2
+    assert greedy_accuracy(model, byte_tokenizer, as_taught, max_new_tokens=4) >= 0.8
     assert (tmp_path / "out" / "sft_result.json").exists() and not (tmp_path / "out.tmp").exists()

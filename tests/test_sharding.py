@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 import sharding
 from comm import init_distributed
 from conftest import TINY
-from sft import build_char_tokenizer, build_tiny_qwen2
+from sft import build_byte_tokenizer, build_tiny_qwen2
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_fsdp.py")
 
@@ -42,7 +42,7 @@ def run(tmp_path_factory):
     """The reference run here (saving a 1-process checkpoint after step 2), then one 2-rank torchrun."""
     root = tmp_path_factory.mktemp("sharding")
     model_dir, out_dir = str(root / "model"), str(root / "out")
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_byte_tokenizer()
     build_tiny_qwen2(tokenizer, TINY).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     dist = init_distributed()  # no torchrun env here: one process, no group
@@ -58,7 +58,7 @@ def run(tmp_path_factory):
         ref["losses"].append(loss)
         ref["norms"].append(norm)
         if step == 2:
-            sharding.save_checkpoint(str(root / "ckpt1"), step, model, optimizer, {"step": step, "rank": 0}, dist)
+            sharding.save_sharded(str(root / "ckpt1"), model, optimizer, {"step": step, "rank": 0}, dist)
             ref["optim_2"] = full_optim(model, optimizer)
     ref["params_3"] = full_params(model)
 
@@ -72,7 +72,7 @@ def run(tmp_path_factory):
     # 2 -> 1: the 2-rank checkpoint resumed in this process
     model = sharding.load_sharded_model(model_dir, dist)
     optimizer = make_optimizer(model)
-    ref["2to1_extra"] = sharding.load_checkpoint(os.path.join(out_dir, "ckpt"), model, optimizer, dist)
+    ref["2to1_extra"] = sharding.load_sharded(os.path.join(out_dir, "ckpt"), model, optimizer, dist)
     ref["2to1_optim"] = full_optim(model, optimizer)
     train_step(model, optimizer, batch, dist)
     ref["2to1_params"] = full_params(model)
@@ -162,27 +162,36 @@ def test_missing_and_corrupt_checkpoints_name_the_path(run, tmp_path):
     optimizer = make_optimizer(model)
     missing = str(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match=missing):
-        sharding.load_checkpoint(missing, model, optimizer, dist)
+        sharding.load_sharded(missing, model, optimizer, dist)
     assert sharding.find_latest(missing) is None
 
-    ckpt = sharding.save_checkpoint(str(tmp_path / "a"), 1, model, optimizer, {}, dist)
+    ckpt = str(tmp_path / "a")
+    sharding.save_sharded(ckpt, model, optimizer, {}, dist)
     os.remove(os.path.join(ckpt, ".metadata"))
     with pytest.raises(RuntimeError, match=ckpt):
-        sharding.load_checkpoint(str(tmp_path / "a"), model, optimizer, dist)
+        sharding.load_sharded(ckpt, model, optimizer, dist)
 
-    ckpt = sharding.save_checkpoint(str(tmp_path / "b"), 1, model, optimizer, {}, dist)
+    ckpt = str(tmp_path / "b")
+    sharding.save_sharded(ckpt, model, optimizer, {}, dist)
     data = next(os.path.join(ckpt, f) for f in os.listdir(ckpt) if f.endswith(".distcp"))
     with open(data, "r+b") as f:
         f.truncate(os.path.getsize(data) // 2)
     with pytest.raises(RuntimeError, match=ckpt):
-        sharding.load_checkpoint(ckpt, model, optimizer, dist)
+        sharding.load_sharded(ckpt, model, optimizer, dist)
+
+
+def save_step(ckpt_dir: str, step: int, model, optimizer, dist) -> str:
+    """A step checkpoint as the loop writes one: a fresh .tmp folder, the model's part, then the commit."""
+    tmp = sharding.begin_checkpoint(ckpt_dir, step)
+    sharding.save_sharded(os.path.join(tmp, "actor"), model, optimizer, {"step": step}, dist)
+    return sharding.commit_checkpoint(ckpt_dir, step)
 
 
 def test_interrupted_save_leaves_latest_on_the_previous_step(run, tmp_path, monkeypatch):
     dist, model = run["dist"], build_tiny_qwen2(run["tokenizer"], TINY)
     optimizer = make_optimizer(model)
     ckpt_dir = str(tmp_path)
-    first = sharding.save_checkpoint(ckpt_dir, 1, model, optimizer, {"step": 1}, dist)
+    first = save_step(ckpt_dir, 1, model, optimizer, dist)
     assert sharding.find_latest(ckpt_dir) == first
 
     real_replace = os.replace
@@ -194,10 +203,10 @@ def test_interrupted_save_leaves_latest_on_the_previous_step(run, tmp_path, monk
 
     monkeypatch.setattr(sharding.os, "replace", crash_on_rename)
     with pytest.raises(KeyboardInterrupt):
-        sharding.save_checkpoint(ckpt_dir, 2, model, optimizer, {"step": 2}, dist)
+        save_step(ckpt_dir, 2, model, optimizer, dist)
     monkeypatch.undo()
     assert os.path.isdir(os.path.join(ckpt_dir, "step_2.tmp")) and sharding.find_latest(ckpt_dir) == first
-    assert sharding.load_checkpoint(ckpt_dir, model, optimizer, dist) == {"step": 1}
+    assert sharding.load_sharded(os.path.join(first, "actor"), model, optimizer, dist) == {"step": 1}
     # the next save clears the leftover and moves the pointer
-    assert sharding.save_checkpoint(ckpt_dir, 2, model, optimizer, {"step": 2}, dist) == sharding.find_latest(ckpt_dir)
+    assert save_step(ckpt_dir, 2, model, optimizer, dist) == sharding.find_latest(ckpt_dir)
     assert not os.path.exists(os.path.join(ckpt_dir, "step_2.tmp"))

@@ -1,0 +1,214 @@
+"""The one Config of every entry point (ppo.py, grpo.py): every knob of a run, with its docstring.
+
+    python ppo.py --help        # these fields as flags (tyro), with PPO's defaults
+    python grpo.py --help       # the same fields with GRPO's defaults
+
+Invalid values and combinations are rejected here, naming the field, before anything heavy starts.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from core_algos import AdvEstimator, AggMode, KLKind
+from hybrid_engine import HybridConfig
+from sharding import FSDPConfig
+
+
+@dataclass
+class Config:
+    # ---- model and data ----
+    model_path: str | None = None
+    """HF model folder of the policy; None warm-starts the built-in tiny policy (sft.py, cached)."""
+    train_files: str | None = None
+    """RL parquet(s) in verl's schema, comma-separated; None writes the built-in arith task."""
+    val_files: str | None = None
+    """Held-out parquet(s) for greedy evaluation; None uses the built-in task's."""
+    val_size: int = 200
+    """Held-out prompts per evaluation (the first val_size rows)."""
+    reward_fn_path: str | None = None
+    """A .py file holding a custom reward function (verl's custom_reward_function.path); None: built-in."""
+    reward_fn_name: str = "compute_score"
+    """Name of the function in reward_fn_path: (data_source, solution_str, ground_truth, extra_info)."""
+    max_prompt_length: int = 32
+    """Prompt tokens; a longer prompt is an error naming its row, unless truncate_prompts."""
+    truncate_prompts: bool = False
+    """Keep the last max_prompt_length tokens of long prompts (counted) instead of raising."""
+    max_response_length: int = 8
+    """Generated tokens per response (the EOS included)."""
+    # ---- rollout ----
+    rollout_backend: Literal["vllm", "hf"] = "vllm"
+    """In-process vLLM engine, or HF generate on the trainer's model (same interface)."""
+    rollout_n: int = 8
+    """Responses sampled per prompt (the group of GRPO)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer divides logits by it too, so log-probs agree."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    gpu_memory_utilization: float = 0.5
+    """GPU: the share of device memory the vLLM engine takes (weights + KV cache), colocated with the trainer, whose
+    state it gets back in train mode. CPU: unused (the engine takes a 1 GiB KV cache)."""
+    # ---- algorithm ----
+    adv_estimator: AdvEstimator = "gae"
+    """gae: PPO with a critic (python ppo.py's default); grpo (python grpo.py's), rloo, reinforce_plus_plus and
+    reinforce_plus_plus_baseline need no critic."""
+    gamma: float = 1.0
+    """Discount of future token rewards (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE's lambda: 1 gives the Monte-Carlo return minus the value; lower trusts the critic more."""
+    norm_adv_by_std: bool = True
+    """GRPO divides a group's centred rewards by their std; Dr.GRPO (False) does not."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio floor is 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio ceiling is 1 + clip_ratio_high (DAPO's clip-higher raises it, e.g. 0.28)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (Ye et al. 2020); must exceed 1."""
+    loss_agg_mode: AggMode = "token-mean"
+    """How token losses become one number (see agg_loss)."""
+    use_kl_loss: bool = False
+    """Add beta * KL(policy || frozen reference) to the loss (GRPO's KL term)."""
+    kl_loss_coef: float = 0.001
+    """beta of the KL loss."""
+    kl_loss_type: KLKind = "low_var_kl"
+    """KL estimator: k1, k2 (mse) or k3 (low_var_kl), after Schulman's 'Approximating KL divergence'."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (subtracted from the loss)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (Yao et al. 2025): weight each token's policy-gradient loss by
+    min(exp(old_log_prob - rollout_log_prob), tis_cap), correcting for the engine sampling from slightly other
+    probabilities than the trainer computes (other kernels, dtype); None: off. verl's runs use 2."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_coef * the per-token KL(policy || reference) from the token rewards (Ziegler et al. 2019)."""
+    kl_penalty: KLKind = "k1"
+    """KL estimator of the in-reward penalty (see kl_loss_type)."""
+    kl_ctrl_type: Literal["fixed", "adaptive"] = "fixed"
+    """In-reward KL coefficient: fixed at kl_coef, or adapted toward kl_target (Ziegler et al. 2019)."""
+    kl_coef: float = 0.001
+    """The in-reward KL coefficient (the adaptive controller's starting value)."""
+    kl_target: float = 0.1
+    """Adaptive controller: the KL per token it steers toward."""
+    kl_horizon: int = 10000
+    """Adaptive controller: responses over which the coefficient may move by up to 20%."""
+    # ---- critic (adv_estimator gae) ----
+    critic_model_path: str | None = None
+    """HF model folder the critic starts from (its backbone; a new value head unless it has one); None: the
+    policy's. It must share the policy's tokenizer."""
+    critic_lr: float = 1e-3
+    """Critic AdamW learning rate."""
+    critic_warmup: int = 0
+    """Steps at the start during which only the critic trains (the actor waits for useful values)."""
+    cliprange_value: float = 0.5
+    """The new value may move at most this far from the old one before its loss stops pulling (value clipping)."""
+    # ---- optimisation ----
+    lr: float = 2e-4
+    """Actor AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global grad norm; a non-finite norm skips the optimizer step."""
+    train_batch_size: int = 32
+    """Prompts per RL step (each sampled n times)."""
+    ppo_mini_batch_size: int = 8
+    """Prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per epoch."""
+    ppo_micro_batch_size: int = 64
+    """Sequences per forward/backward pass (gradient accumulation), actor and critic; also the log-prob and
+    value passes' size."""
+    use_dynamic_bsz: bool = False
+    """Micro-batches by token budget (ppo_max_token_len_per_gpu) instead of ppo_micro_batch_size sequences;
+    the same gradient, less padding (batching.py)."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """use_dynamic_bsz: most real tokens (prompt + response) in one update micro-batch on one rank; a longer
+    sequence gets a micro-batch of its own (actor/over_budget_seqs counts them)."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """use_dynamic_bsz: the token budget of the passes without gradients (old and reference log-probs, and the
+    critic's values: no activations kept, so it may be larger); None: ppo_max_token_len_per_gpu."""
+    use_remove_padding: bool = False
+    """Pack each micro-batch into one row without padding, position_ids restarting per sequence; falls back to
+    padded micro-batches, with a message, where the model's attention would let the sequences see each other."""
+    balance_batch: bool = True
+    """Re-deal the step's prompt groups across dp ranks by workload (Karmarkar-Karp) before the log-prob passes;
+    a no-op in one process (the global_seqlen metrics still report)."""
+    balance_by: Literal["tokens", "flops"] = "tokens"
+    """Workload of a sequence for balance_batch: its token count, or a FLOP estimate (long sequences weigh more)."""
+    ppo_epochs: int = 1
+    """Passes over each RL batch."""
+    total_steps: int = 200
+    """RL steps."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2 sharding of actor, reference and critic over the data-parallel ranks (torchrun); in one process only
+    param_dtype applies (the dtype of the rollout engine and of the weights streamed into it)."""
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
+    """The weight sync into the rollout engine (hybrid_engine.py): bucket size, offload, verification."""
+    dist_timeout_s: int = 1800
+    """Seconds a collective may wait before the run fails (torchrun only)."""
+    # ---- run ----
+    eval_every: int = 25
+    """Steps between greedy evaluations (also before the first step and at the end)."""
+    out_dir: str = "out/ppo"
+    """Where metrics.jsonl, curves.png and final/ go."""
+    seed: int = 0
+    """Seed of data order, sampling (per step and prompt) and initialisation."""
+    ckpt_every: int = 0
+    """Steps between DCP checkpoints in out_dir/checkpoints (0: none); they resume at any world size."""
+    resume: str = "auto"
+    """auto: continue from out_dir/checkpoints' latest if there is one; off: start over; or a checkpoint path."""
+
+    def __post_init__(self):
+        for name in ("rollout_n", "train_batch_size", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs",
+                     "total_steps", "eval_every", "val_size", "max_prompt_length", "max_response_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.train_batch_size % self.ppo_mini_batch_size:
+            raise ValueError(f"train_batch_size={self.train_batch_size} must be a multiple of "
+                             f"ppo_mini_batch_size={self.ppo_mini_batch_size}")
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.ckpt_every < 0:
+            raise ValueError(f"ckpt_every={self.ckpt_every} must be >= 0 (0: no checkpoints)")
+        if self.ppo_max_token_len_per_gpu < 1:
+            raise ValueError(f"ppo_max_token_len_per_gpu={self.ppo_max_token_len_per_gpu} must be >= 1")
+        if not self.use_dynamic_bsz and self.log_prob_max_token_len_per_gpu is not None:
+            raise ValueError("log_prob_max_token_len_per_gpu applies only with use_dynamic_bsz (turn it on, or drop it)")
+        if self.use_dynamic_bsz and self.log_prob_max_token_len_per_gpu is None:
+            self.log_prob_max_token_len_per_gpu = self.ppo_max_token_len_per_gpu
+        if self.use_dynamic_bsz and self.log_prob_max_token_len_per_gpu < 1:
+            raise ValueError(f"log_prob_max_token_len_per_gpu={self.log_prob_max_token_len_per_gpu} must be >= 1")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (None: off)")
+        if self.hybrid.offload_params and self.fsdp.cpu_offload:
+            raise ValueError("hybrid.offload_params=True with fsdp.cpu_offload=True: the parameters already live in "
+                             "CPU memory")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
+        for name in ("critic_lr", "cliprange_value", "kl_target"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.kl_horizon < 1:
+            raise ValueError(f"kl_horizon={self.kl_horizon} must be >= 1")
+        if not 0 <= self.critic_warmup < self.total_steps:
+            raise ValueError(f"critic_warmup={self.critic_warmup} must be in [0, total_steps={self.total_steps}): "
+                             "the actor trains only after it")
+        if self.hybrid.verify_sync and self.hybrid.probe_len >= self.max_prompt_length + self.max_response_length:
+            context = self.max_prompt_length + self.max_response_length
+            raise ValueError(f"hybrid.probe_len={self.hybrid.probe_len} must be below the engine's context "
+                             f"(max_prompt_length + max_response_length = {context})")
+        if self.adv_estimator != "gae" and (self.critic_warmup or self.critic_model_path):
+            raise ValueError(f"critic_warmup / critic_model_path need a critic: adv_estimator={self.adv_estimator!r} "
+                             "has none (use gae)")
+        if self.adv_estimator in ("grpo", "rloo") and self.use_kl_in_reward:
+            raise ValueError(f"use_kl_in_reward: adv_estimator={self.adv_estimator!r} scores whole responses, not "
+                             "tokens; use use_kl_loss")
+        if self.adv_estimator == "rloo" and self.rollout_n < 2:
+            raise ValueError(f"rollout_n={self.rollout_n}: rloo's leave-one-out baseline needs >= 2 samples a prompt")
+
+    @property
+    def use_reference(self) -> bool:
+        """A frozen reference policy is loaded for the KL loss or the in-reward KL penalty."""
+        return self.use_kl_loss or self.use_kl_in_reward

@@ -1,0 +1,270 @@
+"""The algorithm math of every estimator and loss, as pure tensor functions (verl's core_algos.py).
+
+    python -m pytest tests/test_losses.py -q        # hand-checked values of every function below
+    python -m pytest tests/test_core_algos.py -q    # one process on the whole batch == 2 torchrun ranks on halves
+
+Nothing here knows about models, workers or process groups. Tensors are [B, R] over response tokens with a
+response mask (1 on real tokens), or [B] per response. Where a number needs the whole batch (whitening, the
+in-reward KL's mean), the function takes `all_sum`: a callable that sums a float64 tensor of statistics over
+the data shards. Under torchrun each rank holds a shard and passes comm.all_sum_fn(dist); a process that holds
+the whole batch (one process, the Ray driver) passes None. Both give the same numbers.
+
+    adv, returns = compute_advantages("grpo", scores=s, group=g, response_mask=m, ...)   # [B, R] each
+    loss, metrics = policy_loss(logp, old_logp, adv, mask, 0.2, 0.28, 3.0, "token-mean")
+    loss = agg_loss(loss_mat, mask, "seq-mean-token-mean", n_tokens=..., n_seqs=...)     # the mini-batch's counts
+"""
+
+import math
+from typing import Callable, Literal
+
+import torch
+
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLKind = Literal["k1", "k2", "k3", "low_var_kl", "mse"]
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+AllSum = Callable[[torch.Tensor], torch.Tensor] | None  # sums a tensor over the data shards; None: one holds all
+
+# ---------------------------------------------------------------------------------------------------
+# Losses: all take [B, R] tensors over response tokens and a response mask
+# ---------------------------------------------------------------------------------------------------
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def agg_loss(loss_mat, mask, mode: AggMode, n_tokens=None, n_seqs=None, norm_len=None) -> torch.Tensor:
+    """Reduce token losses [B, R] to a scalar.
+
+    n_tokens / n_seqs are the counts of the whole mini-batch: when a mini-batch is split into
+    micro-batches, each micro-batch divides by the mini-batch's counts, so the summed gradients equal
+    the mini-batch's gradient in every mode. norm_len is Dr.GRPO's constant length (default R).
+    """
+    n_tokens = mask.sum() if n_tokens is None else n_tokens
+    n_seqs = mask.shape[0] if n_seqs is None else n_seqs
+    norm_len = mask.shape[-1] if norm_len is None else norm_len
+    token_sum = (loss_mat * mask).sum(-1)  # [B]
+    if mode == "token-mean":  # every token weighs the same (DAPO)
+        return token_sum.sum() / n_tokens
+    if mode == "seq-mean-token-sum":  # every sequence's summed loss weighs the same
+        return token_sum.sum() / n_seqs
+    if mode == "seq-mean-token-mean":  # every sequence weighs the same (original GRPO)
+        return (token_sum / mask.sum(-1).clamp(min=1)).sum() / n_seqs
+    if mode == "seq-mean-token-sum-norm":  # a constant normaliser, no length bias (Dr.GRPO)
+        return token_sum.sum() / (n_seqs * norm_len)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}")
+
+
+def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, clip_c, agg_mode, tis=None, **agg_kw):
+    """PPO clipped surrogate with dual-clip; returns (loss, metrics of clipping and approximate KL).
+
+    logp, old_logp, adv, mask: [B, R]. Clip-higher (DAPO) uses clip_high > clip_low. tis: per-token weights
+    [B, R] (tis_weights) multiplying the token losses, or None.
+    """
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)  # [B, R], clamped so exp cannot overflow
+    ratio = log_ratio.exp()  # [B, R]
+    loss_unclipped = -adv * ratio  # [B, R]
+    loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, R]
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)  # [B, R], the pessimistic of the two
+    # Dual-clip (Ye et al. 2020): for adv < 0, bound the loss by -adv * clip_c when the ratio explodes.
+    loss_dual = torch.minimum(loss_ppo, -adv * clip_c)
+    loss_mat = torch.where(adv < 0, loss_dual, loss_ppo)  # [B, R]
+    if tis is not None:
+        loss_mat = loss_mat * tis
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
+        "actor/pg_clipfrac_lower": masked_mean(((loss_ppo > -adv * clip_c) & (adv < 0)).float(), mask).item(),
+        "actor/ppo_kl": masked_mean(-log_ratio, mask).item(),
+    }
+    return agg_loss(loss_mat, mask, agg_mode, **agg_kw), metrics
+
+
+def tis_weights(old_logp, rollout_logp, mask, cap: float) -> tuple[torch.Tensor, dict]:
+    """Truncated importance sampling (Yao et al. 2025): per-token weights [B, R] = min(pi_old / pi_rollout, cap), no
+    gradient. The engine samples from slightly other probabilities than the trainer's (other kernels, dtype): this
+    reweights its samples toward the trainer's old policy, truncated so that rare tokens cannot blow up the loss."""
+    ratio = (old_logp - rollout_logp).clamp(max=20.0).exp()  # [B, R], clamped so exp cannot overflow
+    weights = ratio.clamp(max=cap).detach()  # [B, R]
+    return weights, {"actor/tis_weight_mean": masked_mean(weights, mask).item(),
+                     "actor/tis_clipfrac": masked_mean((ratio > cap).float(), mask).item()}
+
+
+def value_loss(values, old_values, returns, mask, clip, agg_mode, **agg_kw):
+    """The critic's clipped regression loss 0.5 * max((V - G)^2, (V_clip - G)^2); returns (loss, metrics).
+
+    values, old_values (at rollout), returns G, mask: [B, R]. V_clip stays within clip of the old value, so one
+    batch cannot drag a value far (value clipping of OpenAI baselines' PPO2; Engstrom et al. 2020 study it).
+    """
+    clipped = old_values + (values - old_values).clamp(-clip, clip)  # [B, R]
+    loss_unclipped, loss_clipped = (values - returns).square(), (clipped - returns).square()  # [B, R] each
+    loss_mat = 0.5 * torch.maximum(loss_unclipped, loss_clipped)  # [B, R]
+    metrics = {"critic/vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
+               "critic/vpred_mean": masked_mean(values, mask).item()}
+    return agg_loss(loss_mat, mask, agg_mode, **agg_kw), metrics
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torch.Tensor:
+    """Per-token KL(policy || ref) estimate [B, R] from sampled-token log-probs (Schulman 2020)."""
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind in ("k2", "mse"):
+        return 0.5 * log_ratio.square()
+    if kind in ("k3", "low_var_kl"):  # ratio - 1 - log ratio with ratio = ref / policy: unbiased, >= 0
+        neg = -log_ratio
+        return (neg.exp() - 1.0 - neg).clamp(-10.0, 10.0)  # clamped as verl does, for stability
+    raise ValueError(f"unknown kl_loss_type {kind!r}")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) along the vocabulary: [..., V] -> [...]."""
+    probs = logits.softmax(-1)
+    return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Token rewards and the in-reward KL penalty
+# ---------------------------------------------------------------------------------------------------
+
+
+def _sum(stats: list[float], all_sum: AllSum) -> list[float]:
+    """Python floats summed over the data shards (float64, so token counts stay exact)."""
+    t = torch.tensor(stats, dtype=torch.float64)  # [K]
+    return (t if all_sum is None else all_sum(t)).tolist()
+
+
+def last_token(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x [B] placed on each row's last response token of mask [B, R] (right-padded), 0 elsewhere: [B, R]."""
+    lengths = mask.sum(-1).long()  # [B]
+    out = torch.zeros_like(mask, dtype=x.dtype)  # [B, R]
+    out[torch.arange(len(x)), (lengths - 1).clamp(min=0)] = torch.where(lengths > 0, x, 0.0)
+    return out
+
+
+def kl_in_reward(token_rewards, logp, ref_logp, mask, coef: float, kind: KLKind,
+                 all_sum: AllSum = None) -> tuple[torch.Tensor, float]:
+    """Token rewards [B, R] minus coef * the per-token KL(policy || ref) estimate, and the whole batch's mean KL per
+    token (a response's mean, averaged over responses). The penalty of Ziegler et al. 2019, as in InstructGPT."""
+    kl = kl_penalty(logp, ref_logp, kind) * mask  # [B, R]
+    per_response = kl.sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+    total, count = _sum([per_response.sum().item(), len(per_response)], all_sum)
+    return token_rewards - coef * kl, total / max(count, 1.0)
+
+
+def update_kl_coef(coef: float, kl: float, n_steps: int, ctrl_type: str, target: float, horizon: int) -> float:
+    """The in-reward KL coefficient after a batch of n_steps responses with mean KL kl (fixed: coef itself).
+
+    Adaptive (Ziegler et al. 2019): a proportional controller, error = kl / target - 1 clipped to +-0.2, so the
+    coefficient moves by at most 20% per horizon responses.
+    """
+    if ctrl_type == "fixed":
+        return coef
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * n_steps / horizon)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Advantages: each estimator returns (advantages, returns) [B, R]
+# ---------------------------------------------------------------------------------------------------
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_sum: AllSum = None, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the real tokens of the whole batch (0 at padding): [B, R]; unbiased var.
+
+    Two passes of summed statistics (count and sum, then squared deviations), so shards give the numbers of the
+    whole batch."""
+    n, total = _sum([mask.sum().item(), (x * mask).sum().item()], all_sum)
+    mean = total / max(n, 1.0)
+    (sq,) = _sum([((x - mean).square() * mask).sum().item()], all_sum)
+    var = sq / max(n - 1.0, 1.0)
+    return (x - mean) / math.sqrt(var + eps) * mask
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """Generalized advantage estimation (Schulman et al. 2016) over response tokens: (advantages, returns) [B, R].
+
+    rewards, values, mask: [B, R], responses right-padded: after a response's last token the value is 0 (the
+    episode ends). A_t = sum_k (gamma lam)^k delta_{t+k}, delta_t = r_t + gamma V_{t+1} - V_t; returns = A + V.
+    """
+    rewards, values = rewards * mask, values * mask  # [B, R]: padding adds nothing and ends the episode
+    advantages = torch.zeros_like(rewards)  # [B, R]
+    running = torch.zeros_like(rewards[:, 0])  # [B], A_{t+1}
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(running)  # [B]
+        running = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages * mask
+    return advantages, advantages + values
+
+
+def gae_advantages(token_rewards, values, mask, gamma: float, lam: float, all_sum: AllSum = None):
+    """PPO's estimator: GAE on the critic's values, advantages whitened over the whole batch; returns are the
+    critic's targets."""
+    advantages, returns = gae(token_rewards, values, mask, gamma, lam)
+    return masked_whiten(advantages, mask, all_sum), returns
+
+
+def group_advantages(scores: torch.Tensor, group: torch.Tensor, norm_by_std: bool, eps: float = 1e-6) -> torch.Tensor:
+    """Per-response advantage [B] from rewards [B] and group ids [B] (GRPO, Shao et al. 2024; Dr.GRPO without std).
+
+    A group whose rewards are all equal gets advantage 0 (nothing to prefer). A group of one response
+    keeps its raw reward, as verl does (mean 0, std 1). A prompt's group never spans data shards.
+    """
+    n_groups = int(group.max()) + 1
+    count = torch.zeros(n_groups).index_add_(0, group, torch.ones_like(scores))  # [G]
+    mean = torch.zeros(n_groups).index_add_(0, group, scores) / count  # [G]
+    sq_dev = torch.zeros(n_groups).index_add_(0, group, (scores - mean[group]).square())
+    std = (sq_dev / (count - 1).clamp(min=1)).sqrt()  # [G], unbiased like torch.std
+    # Equal rewards must give exactly 0: the float mean of 3 x 0.9 misses 0.9 by an ulp, and dividing
+    # that by a std of the same size would turn it into a sizeable advantage.
+    top = torch.full((n_groups,), -torch.inf).scatter_reduce(0, group, scores, "amax")  # [G]
+    low = torch.full((n_groups,), torch.inf).scatter_reduce(0, group, scores, "amin")  # [G]
+    single = count == 1
+    centred = torch.where(single[group], scores, scores - mean[group])  # [B]
+    centred = torch.where((top == low)[group] & ~single[group], 0.0, centred)
+    return centred / (torch.where(single, 1.0, std)[group] + eps) if norm_by_std else centred
+
+
+def grpo_advantages(scores, group, mask, norm_by_std: bool):
+    """The group advantage broadcast over response tokens: (advantages, returns) [B, R], the two the same."""
+    adv = group_advantages(scores, group, norm_by_std).unsqueeze(-1) * mask  # [B, R]
+    return adv, adv
+
+
+def rloo_advantages(scores, group, mask):
+    """RLOO (Ahmadian et al. 2024): a response's reward minus the mean reward of the other n - 1 responses to its
+    prompt, for every token: (advantages, returns) [B, R], the two the same. A group of one keeps its raw reward."""
+    count = torch.zeros(int(group.max()) + 1).index_add_(0, group, torch.ones_like(scores))  # [G]
+    total = torch.zeros_like(count).index_add_(0, group, scores)  # [G]
+    others = (total[group] - scores) / (count[group] - 1).clamp(min=1)  # [B], the leave-one-out baseline
+    adv = (scores - others).unsqueeze(-1) * mask  # [B, R]
+    return adv, adv
+
+
+def reinforce_pp_advantages(token_rewards, mask, gamma: float, all_sum: AllSum = None, scores=None, group=None):
+    """REINFORCE++ (Hu 2025): each token's discounted return of the token rewards (KL penalty included), whitened
+    over the whole batch; no critic. With scores and group (REINFORCE++-baseline): each score minus its prompt
+    group's mean first."""
+    if group is not None:  # the last token's reward loses its group's mean score (a group of one keeps its score)
+        centred = group_advantages(scores, group, norm_by_std=False)  # [B]
+        token_rewards = token_rewards - last_token(scores - centred, mask)  # [B, R]
+    returns = gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)[0]  # V = 0, lam = 1: the return
+    return masked_whiten(returns, mask, all_sum), returns
+
+
+def compute_advantages(estimator: AdvEstimator, *, token_level_rewards, response_mask, scores, group, values=None,
+                       gamma: float = 1.0, lam: float = 1.0, norm_adv_by_std: bool = True, all_sum: AllSum = None):
+    """(advantages, returns) [B, R] by the named estimator; inputs as the step's batch holds them: token rewards and
+    the critic's values [B, R], scores and group ids [B]."""
+    mask = response_mask
+    if estimator == "gae":
+        return gae_advantages(token_level_rewards, values, mask, gamma, lam, all_sum)
+    if estimator == "grpo":
+        return grpo_advantages(scores, group, mask, norm_adv_by_std)
+    if estimator == "rloo":
+        return rloo_advantages(scores, group, mask)
+    if estimator == "reinforce_plus_plus":
+        return reinforce_pp_advantages(token_level_rewards, mask, gamma, all_sum)
+    if estimator == "reinforce_plus_plus_baseline":
+        return reinforce_pp_advantages(token_level_rewards, mask, gamma, all_sum, scores, group)
+    raise ValueError(f"unknown adv_estimator {estimator!r}")

@@ -1,0 +1,313 @@
+"""The workers of one RL step: the actor (policy + rollout engine + frozen reference, in one process per device:
+the hybrid engine) and the critic. Their methods are the whole contract between a worker and its controller.
+
+    python -m pytest tests/test_ppo.py -q        # the workers on a real batch (HF rollout, no engine needed)
+
+A controller (ppo.py's torchrun loop on every rank, or a Ray driver calling every rank of a worker group) calls:
+    batch, metrics = actor.generate(prompts, seeds)    # enters rollout mode (weights into vLLM), samples, leaves it
+    batch["old_log_probs"] = actor.log_probs(batch)    # [B, R]
+    batch["ref_log_probs"] = actor.ref_log_probs(batch)
+    batch["values"] = critic.values(batch)             # [B, R]
+    metrics = critic.update(batch); metrics = actor.update(batch)
+    actor.save_checkpoint(path); actor.load_checkpoint(path); actor.export(out_dir); actor.close()
+Arguments and results are TensorDicts ([B, ...], a rank's shard of the batch) or plain Python. Nothing outside a
+worker touches its attributes. Every collective a method performs runs over the worker's own process group (its
+dp ranks; none in one process) and is named in its docstring: every rank of the group must make the same calls
+in the same order.
+
+Batch layout (verl's): prompts left-padded [B, P], responses right-padded [B, R], input_ids = both [B, P + R],
+attention_mask and position_ids [B, P + R], response_mask [B, R] (float), rollout_log_probs [B, R] (the engine's).
+"""
+
+import math
+import random
+
+import torch
+from tensordict import TensorDict
+from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+
+from batching import map_micro_batches, micro_batches, pack, packing_works, unpack
+from comm import Dist, reduce_metrics, timer
+from config import Config
+from core_algos import agg_loss, entropy_from_logits, kl_penalty, policy_loss, tis_weights, value_loss
+from hybrid_engine import HybridEngine
+from rollout import make_rollout
+from sharding import DTYPES, clip_grad_norm, export_hf, load_sharded, load_sharded_model, save_sharded
+
+LOSS_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")  # summed over micro-batches
+
+
+# ---------------------------------------------------------------------------------------------------
+# The batch and the forward passes over it
+# ---------------------------------------------------------------------------------------------------
+
+
+def pad_batch(prompts: list[list[int]], responses: list[list[int]], rollout_logps: list[list[float]], pad_id: int,
+              widths: tuple[int, int] | None = None):
+    """Left-pad prompts and right-pad responses into verl's batch layout (a TensorDict of [B, ...]).
+
+    widths (P, R): pad to these instead of the longest prompt and response (they must be at least those).
+    """
+    B, (P, R) = len(responses), widths or (max(map(len, prompts)), max(1, max(map(len, responses))))
+    prompt_ids = torch.full((B, P), pad_id)  # [B, P]
+    response_ids = torch.full((B, R), pad_id)  # [B, R]
+    prompt_mask = torch.zeros(B, P, dtype=torch.long)
+    response_mask = torch.zeros(B, R, dtype=torch.long)
+    rollout_log_probs = torch.zeros(B, R)
+    for b, (p, r, lp) in enumerate(zip(prompts, responses, rollout_logps)):
+        prompt_ids[b, P - len(p) :], prompt_mask[b, P - len(p) :] = torch.tensor(p), 1
+        response_ids[b, : len(r)], response_mask[b, : len(r)] = torch.tensor(r, dtype=torch.long), 1
+        rollout_log_probs[b, : len(r)] = torch.tensor(lp)
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)  # [B, P + R]
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, P + R], 0 at the first real token
+    return TensorDict(
+        prompts=prompt_ids, responses=response_ids, input_ids=torch.cat([prompt_ids, response_ids], 1),
+        attention_mask=attention_mask, position_ids=position_ids, response_mask=response_mask.float(),
+        rollout_log_probs=rollout_log_probs, batch_size=[B],
+    )
+
+
+def response_outputs(model, batch: TensorDict, remove_padding: bool = False):
+    """model's outputs (.logits: V-wide for the actor, 1 for the critic) at the positions that predict the
+    response tokens: ([B, R, ...], None), or packed ([n, ...], keep [B, R]) with n = keep.sum() real response tokens.
+
+    remove_padding: the batch runs as one packed row (batching.pack); use_cache=False, or no packing is detected.
+    """
+    R = batch["responses"].shape[1]
+    if remove_padding:
+        packed = pack(batch["input_ids"], batch["attention_mask"])  # [1, N]
+        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]  # [N, ...]
+        where = packed.where[:, -R - 1 : -1]  # [B, R]: the packed positions that predict the response tokens
+        keep = (where >= 0) & batch["response_mask"].bool()  # [B, R]
+        return out[where[keep]], keep  # [n, ...]: never a [B, R, V] tensor
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], use_cache=False).logits  # [B, P + R, ...]
+    return out[:, -R - 1 : -1], None  # [B, R, ...]: position t predicts token t + 1
+
+
+def response_log_probs(model, batch: TensorDict, temperature: float, with_entropy: bool = False,
+                       remove_padding: bool = False, entropy_grad: bool = True):
+    """Log-prob [B, R] (and entropy [B, R]) of each response token under model, at the sampling temperature.
+    entropy_grad=False: the entropy is a metric only, and backward keeps no [tokens, V] softmax for it."""
+    logits, keep = response_outputs(model, batch, remove_padding)  # [B, R, V] or [n, V]
+    targets = batch["responses"] if keep is None else batch["responses"][keep]  # [B, R] or [n]
+    logits = logits.float() / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, R] or [n]
+    entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
+    if keep is not None:  # back to [B, R], 0 at padding
+        logp, entropy = unpack(logp, keep), entropy if entropy is None else unpack(entropy, keep)
+    return logp, entropy
+
+
+def response_values(model, batch: TensorDict, remove_padding: bool = False) -> torch.Tensor:
+    """The critic's value [B, R] of the state before each response token (0 at padding)."""
+    values, keep = response_outputs(model, batch, remove_padding)  # [B, R, 1] or [n, 1]
+    values = values.squeeze(-1).float()
+    return values * batch["response_mask"] if keep is None else unpack(values, keep)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the actor and the critic share
+# ---------------------------------------------------------------------------------------------------
+
+
+class Worker:
+    """A trainable model (FSDP2 over the worker's dp ranks, the plain model in one process), its tokenizer and AdamW,
+    micro-batches, the PPO update, checkpoints and export. Subclasses set role (the metrics' prefix) and give
+    micro_batch_loss."""
+
+    role: str
+
+    def __init__(self, cfg: Config, dist: Dist, model: torch.nn.Module, tokenizer, lr: float):
+        self.cfg, self.dist, self.model, self.tokenizer, self.lr = cfg, dist, model, tokenizer, lr
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        self.remove_padding = cfg.use_remove_padding and packing_works(model)
+        if cfg.use_remove_padding and not self.remove_padding and dist.is_main:
+            print(f"use_remove_padding: the {model.config._attn_implementation} attention lets packed sequences "
+                  f"see each other (batching.packing_works); {self.role}: running padded micro-batches instead")
+
+    def micro_batch_parts(self, batch: TensorDict, max_tokens: int | None) -> list[list[int]]:
+        """Row indices of batch's micro-batches: within max_tokens (use_dynamic_bsz), else ppo_micro_batch_size rows.
+        Collective with use_dynamic_bsz (batching.micro_batches: the ranks agree on the count)."""
+        if self.cfg.use_dynamic_bsz:
+            return micro_batches(batch["attention_mask"].sum(-1), max_tokens, self.dist)
+        B, size = batch.batch_size[0], self.cfg.ppo_micro_batch_size
+        return [list(range(i, min(i + size, B))) for i in range(0, B, size)]
+
+    def update(self, batch: TensorDict) -> dict:
+        """PPO epochs over mini-batches of this rank's shard; each mini-batch is one optimizer step over its
+        micro-batches. Returns this rank's metrics (the controller reduces them over the ranks).
+        Collectives: per mini-batch, the token and sequence counts (reduce_metrics), the micro-batch count
+        (use_dynamic_bsz), FSDP2's gathers and gradient reduce-scatters, and the global grad norm."""
+        cfg, per_step = self.cfg, []
+        for _ in range(cfg.ppo_epochs):
+            for mb in batch.split(cfg.ppo_mini_batch_size // self.dist.dp_size * cfg.rollout_n):  # this rank's share
+                # Every micro-batch divides by the mini-batch's counts, so the summed gradients are the
+                # mini-batch's gradient; loss metrics add up the same way, token ratios are weighted by token share.
+                # Counts over all dp ranks, times dp_size to undo FSDP's gradient averaging: every rank's
+                # loss is its part of the global mini-batch's loss, whatever its token count.
+                total = reduce_metrics({"tokens": mb["response_mask"].sum().item(), "seqs": mb.batch_size[0]},
+                                       self.dist, sum_keys=("tokens", "seqs"))
+                counts = dict(n_tokens=total["tokens"] / self.dist.dp_size, n_seqs=total["seqs"] / self.dist.dp_size,
+                              norm_len=cfg.max_response_length)
+                parts = self.micro_batch_parts(mb, cfg.ppo_max_token_len_per_gpu)  # the same count on every rank
+                step = {f"{self.role}/num_micro_batches": len(parts)}
+                for part in parts:
+                    micro = mb[torch.tensor(part)]
+                    loss, metrics = self.micro_batch_loss(micro, counts)
+                    loss.backward()
+                    share = (micro["response_mask"].sum() / mb["response_mask"].sum().clamp(min=1)).item()
+                    for k, v in metrics.items():
+                        step[k] = step.get(k, 0.0) + (v if k in LOSS_METRICS else v * share)
+                grad_norm = clip_grad_norm(self.model, cfg.grad_clip)  # across shards
+                if math.isfinite(grad_norm):  # a NaN/inf gradient would poison the weights: skip the step
+                    self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+                step[f"{self.role}/grad_norm"] = grad_norm
+                step[f"{self.role}/skipped_steps"] = float(not math.isfinite(grad_norm))
+                per_step.append(step)
+        out = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
+        out[f"{self.role}/skipped_steps"] *= len(per_step)  # a count, not a mean
+        out[f"{self.role}/lr"] = self.opt.param_groups[0]["lr"]
+        seqlens = batch["attention_mask"].sum(-1)  # [B]
+        over = float((seqlens > cfg.ppo_max_token_len_per_gpu).sum()) if cfg.use_dynamic_bsz else 0.0
+        out[f"{self.role}/over_budget_seqs"] = over
+        return out
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model and optimizer shards (DCP) and this rank's RNG states into the folder `path`. Collective (DCP)."""
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        save_sharded(path, self.model, self.opt, rng, self.dist)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what save_checkpoint wrote (any world size); the learning rate stays this run's. Collective."""
+        rng = load_sharded(path, self.model, self.opt, self.dist)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+
+    def export(self, out_dir: str) -> None:
+        """The full model and its tokenizer as a plain HF folder (rank 0 writes). Collective (the full weights)."""
+        export_hf(self.model, self.tokenizer, out_dir, self.dist)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The actor and the critic
+# ---------------------------------------------------------------------------------------------------
+
+
+class ActorWorker(Worker):
+    """The colocated actor: generates with its rollout engine (fed by the hybrid engine), log-probs of the policy and
+    of the frozen reference, the policy update."""
+
+    role = "actor"
+
+    def __init__(self, cfg: Config, model_path: str, dist: Dist):
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        super().__init__(cfg, dist, load_sharded_model(model_path, dist, cfg.fsdp), tokenizer, cfg.lr)  # fp32 masters
+        self.ref = load_sharded_model(model_path, dist, cfg.fsdp, trainable=False) if cfg.use_reference else None
+        self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=self.model, tokenizer=tokenizer,
+                                    max_model_len=cfg.max_prompt_length + cfg.max_response_length, seed=cfg.seed,
+                                    dtype=cfg.fsdp.param_dtype,  # the engine computes in the trainer's dtype
+                                    gpu_memory_utilization=cfg.gpu_memory_utilization)
+        # train mode <-> rollout mode, streaming the weights into the engine (the 3D-HybridEngine, hybrid_engine.py)
+        self.hybrid = HybridEngine(self.model, self.opt, self.rollout, dist, cfg.hybrid, DTYPES[cfg.fsdp.param_dtype])
+
+    def generate(self, prompts: list[list[int]], seeds: list[int] | None,
+                 greedy: bool = False) -> tuple[TensorDict, dict]:
+        """n responses per prompt (prompt-major: rows i*n .. i*n+n-1 share prompt i; greedy: one each) -> (batch,
+        metrics: timing_s/gen and the hybrid engine's reshard metrics). Enters rollout mode (the weights streamed
+        into the engine) and leaves it before returning.
+        Collectives: the weight sync (full_weights' all-gathers; verify_sync's checks), and one all-gather that
+        agrees on the padded widths, so that every rank's batch has the same shape (rows can move between ranks)."""
+        n, metrics = 1 if greedy else self.cfg.rollout_n, {}
+        with self.hybrid.rollout_mode(metrics), timer("gen", metrics):  # leaving it: the engine sleeps
+            out = self.rollout.generate(prompts, n=n, max_tokens=self.cfg.max_response_length,
+                                        temperature=0.0 if greedy else self.cfg.temperature,
+                                        top_p=self.cfg.top_p, seeds=seeds)
+        widths = reduce_metrics({"P/max": max(map(len, prompts)), "R/max": max(1, max(map(len, out.responses)))},
+                                self.dist)
+        repeated = [p for p in prompts for _ in range(n)]
+        batch = pad_batch(repeated, out.responses, out.log_probs, self.tokenizer.pad_token_id,
+                          (int(widths["P/max"]), int(widths["R/max"])))
+        return batch, metrics
+
+    @torch.no_grad()
+    def log_probs(self, batch: TensorDict) -> torch.Tensor:
+        """Sampled-token log-probs [B, R] under the current policy. Collectives: FSDP2's gathers (and the micro-batch
+        count with use_dynamic_bsz)."""
+        return self._log_probs(self.model, batch)
+
+    @torch.no_grad()
+    def ref_log_probs(self, batch: TensorDict) -> torch.Tensor:
+        """Sampled-token log-probs [B, R] under the frozen reference (use_kl_loss / use_kl_in_reward). Collectives:
+        as log_probs."""
+        if self.ref is None:
+            raise RuntimeError("ref_log_probs: no reference policy was loaded (use_kl_loss and use_kl_in_reward off)")
+        return self._log_probs(self.ref, batch)
+
+    def _log_probs(self, model, batch: TensorDict) -> torch.Tensor:
+        parts = self.micro_batch_parts(batch, self.cfg.log_prob_max_token_len_per_gpu)
+        return map_micro_batches(lambda mb: response_log_probs(model, mb, self.cfg.temperature,
+                                                               remove_padding=self.remove_padding)[0], batch, parts)
+
+    def micro_batch_loss(self, micro: TensorDict, counts: dict) -> tuple[torch.Tensor, dict]:
+        """Policy loss - entropy bonus (+ KL loss) of one micro-batch, scaled by its mini-batch's counts."""
+        cfg, mask = self.cfg, micro["response_mask"]
+        logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True,
+                                           remove_padding=self.remove_padding,
+                                           entropy_grad=cfg.entropy_coeff != 0)  # [b, R] each
+        tis, tis_metrics = None, {}
+        if cfg.tis_cap is not None:
+            tis, tis_metrics = tis_weights(micro["old_log_probs"], micro["rollout_log_probs"], mask, cfg.tis_cap)
+        pg_loss, metrics = policy_loss(logp, micro["old_log_probs"], micro["advantages"], mask, cfg.clip_ratio_low,
+                                       cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, tis, **counts)
+        metrics.update(tis_metrics)
+        ent = agg_loss(entropy, mask, cfg.loss_agg_mode, **counts)
+        loss = pg_loss - cfg.entropy_coeff * ent if cfg.entropy_coeff else pg_loss  # the bonus raises the entropy
+        metrics.update({"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item()})
+        if cfg.use_kl_loss:
+            kl = agg_loss(kl_penalty(logp, micro["ref_log_probs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **counts)
+            loss = loss + cfg.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.item()
+        return loss, metrics
+
+    def close(self) -> None:
+        """Shut the rollout engine down. Call it after the run's last collective: vLLM's cleanup destroys the default
+        process group."""
+        self.rollout.close()
+
+
+class CriticWorker(Worker):
+    """The critic: an LM backbone with a scalar value head (AutoModelForTokenClassification with one label),
+    sharded like the actor, with its own AdamW (critic_lr): values and the clipped value-loss update."""
+
+    role = "critic"
+
+    def __init__(self, cfg: Config, model_path: str, dist: Dist):
+        config = AutoConfig.from_pretrained(model_path, num_labels=1)
+        config.classifier_dropout = 0.0  # the head's default dropout (0.1) would add noise to every value
+        with torch.random.fork_rng(devices=[]):  # a new head's initialisation: seeded, the global RNG untouched
+            torch.manual_seed(cfg.seed)
+            model = load_sharded_model(model_path, dist, cfg.fsdp, model_class=AutoModelForTokenClassification,
+                                       config=config)
+        super().__init__(cfg, dist, model, AutoTokenizer.from_pretrained(model_path), cfg.critic_lr)
+
+    @torch.no_grad()
+    def values(self, batch: TensorDict) -> torch.Tensor:
+        """The value [B, R] of the state before each response token, 0 at padding. Collectives: FSDP2's gathers (and
+        the micro-batch count with use_dynamic_bsz, whose budget is log_prob_max_token_len_per_gpu)."""
+        parts = self.micro_batch_parts(batch, self.cfg.log_prob_max_token_len_per_gpu)
+        return map_micro_batches(lambda mb: response_values(self.model, mb, self.remove_padding), batch, parts)
+
+    def micro_batch_loss(self, micro: TensorDict, counts: dict) -> tuple[torch.Tensor, dict]:
+        """The clipped value loss of one micro-batch against the returns, scaled by its mini-batch's counts."""
+        values = response_values(self.model, micro, self.remove_padding)  # [b, R]
+        loss, metrics = value_loss(values, micro["values"], micro["returns"], micro["response_mask"],
+                                   self.cfg.cliprange_value, self.cfg.loss_agg_mode, **counts)
+        metrics["critic/vf_loss"] = loss.item()
+        return loss, metrics
+
+    def close(self) -> None:
+        """Nothing to release (no engine)."""
