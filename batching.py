@@ -9,6 +9,7 @@ This file splits, packs, unpacks and balances; it knows nothing about RL. The AP
 
     parts = karmarkar_karp(workloads, k, equal_size=True)      # k lists of indices with similar workload sums
     batch, metrics = balance_ranks(batch, seqlens, workloads, dist, unit=n)   # rows re-dealt across dp ranks
+    batch, metrics = balance_whole(batch, seqlens, workloads, k, unit=n)      # the same, one process holding all
     parts = micro_batches(seqlens, max_tokens, dist)           # index lists, <= max_tokens each, same count on all ranks
     out = map_micro_batches(fn, batch, parts)                   # fn on each micro-batch, rows back in batch order
     packed = pack(input_ids, attention_mask)                    # [b, T] -> one row [1, N], position_ids restart
@@ -126,14 +127,27 @@ def _spread(prefix: str, sums: list[float]) -> dict:
             f"global_seqlen/{prefix}minmax_diff": max(sums) - min(sums)}
 
 
+def balanced_parts(unit_work: torch.Tensor, unit_len: torch.Tensor, k: int) -> tuple[list[list[int]], dict]:
+    """Units (consecutive rows that move together) of the whole batch, rank-major, dealt to k ranks by workload:
+    (each rank's unit indices, sorted; verl's global_seqlen metrics of the contiguous split and of the balanced one)."""
+    parts = karmarkar_karp(unit_work.tolist(), k, equal_size=True)
+    before = unit_len.view(k, -1).sum(-1).tolist()  # the contiguous split: what each rank held
+    after = [unit_len[p].sum().item() for p in parts]
+    return parts, {**_spread("", before), **_spread("balanced_", after)}
+
+
+def _unit_rows(units: list[int], unit: int) -> torch.Tensor:
+    return (torch.tensor(units, dtype=torch.long)[:, None] * unit + torch.arange(unit)).flatten()  # [units * unit]
+
+
 def balance_ranks(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Tensor, dist: Dist,
                   unit: int = 1) -> tuple[TensorDict, dict]:
     """Re-deal the rows of all dp ranks so that every rank gets the same number of rows and similar work.
 
     batch holds this rank's rows (the same shapes on every rank); seqlens [B] and workloads [B] are per row.
     Rows move in units of `unit` consecutive rows (e.g. a prompt's n samples stay together and in order).
-    Returns this rank's new rows, in their global order, and verl's global_seqlen metrics (tokens per rank)
-    of the contiguous split (what the ranks held) and of the balanced one. One process: the batch as it is.
+    Returns this rank's new rows, in their global order, and the global_seqlen metrics (tokens per rank).
+    One process: the batch as it is.
     """
     B = batch.batch_size[0]
     if B % unit:
@@ -143,13 +157,19 @@ def balance_ranks(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Ten
         return batch, {**_spread("", [total]), **_spread("balanced_", [total])}
     unit_work = _all_gather(workloads.double().view(-1, unit).sum(-1), dist)  # [dp * B / unit], rank-major
     unit_len = _all_gather(seqlens.double().view(-1, unit).sum(-1), dist)  # [dp * B / unit]
-    parts = karmarkar_karp(unit_work.tolist(), dist.dp_size, equal_size=True)
-    before = unit_len.view(dist.dp_size, -1).sum(-1).tolist()  # the contiguous split: what each rank held
-    after = [unit_len[p].sum().item() for p in parts]
-    mine = torch.tensor(parts[dist.dp_rank])  # [B / unit], sorted
-    rows = (mine[:, None] * unit + torch.arange(unit)).flatten()  # [B]
+    parts, metrics = balanced_parts(unit_work, unit_len, dist.dp_size)
     everyone = TensorDict({k: _all_gather(batch[k], dist) for k in sorted(batch.keys())}, batch_size=[B * dist.dp_size])
-    return everyone[rows], {**_spread("", before), **_spread("balanced_", after)}
+    return everyone[_unit_rows(parts[dist.dp_rank], unit)], metrics
+
+
+def balance_whole(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Tensor, k: int,
+                  unit: int = 1) -> tuple[TensorDict, dict]:
+    """balance_ranks for a process that holds the whole batch (a single controller): the rows reordered so that
+    its contiguous split into k equal chunks gives each of k ranks what balance_ranks would give it."""
+    unit_work = workloads.double().view(-1, unit).sum(-1)  # [B / unit]
+    unit_len = seqlens.double().view(-1, unit).sum(-1)  # [B / unit]
+    parts, metrics = balanced_parts(unit_work, unit_len, k)
+    return batch[torch.cat([_unit_rows(p, unit) for p in parts])], metrics
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ API (the whole of it):
     reduce_metrics({"actor/pg_loss": x, "response_length/max": m, "tokens": n}, dist, sum_keys=("tokens",))
         # mean by default; max for keys ending in /max or holding max_memory; min for /min; sum for sum_keys
     all_sum = all_sum_fn(dist)                            # t -> t summed over the dp ranks (None in one process)
+    combine_metrics([rank0_metrics, rank1_metrics], sum_keys)   # reduce_metrics' numbers, from a list in one process
     obj = broadcast_object(obj, dist, src=0)               # every rank gets src's python object
     barrier(dist)
     shutdown(dist)                                        # barrier, then destroy the process group (if still there)
@@ -100,9 +101,20 @@ def reduce_metrics(metrics: dict[str, float], dist: Dist, sum_keys: tuple[str, .
     local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=dist.device)  # [K]
     gathered = torch.empty(dist.dp_size * len(keys), dtype=torch.float64, device=dist.device)  # [dp * K]
     tdist.all_gather_single(gathered, local, group=dist.mesh["dp"].get_group())
-    gathered = gathered.view(dist.dp_size, len(keys)).cpu()  # [dp, K]
+    return _reduce_rows(gathered.view(dist.dp_size, len(keys)).cpu(), keys, sum_keys)  # [dp, K]
+
+
+def combine_metrics(per_rank: list[dict[str, float]], sum_keys: tuple[str, ...] = ()) -> dict[str, float]:
+    """reduce_metrics for a process that holds every rank's metrics (a single controller): the same numbers."""
+    keys = sorted(per_rank[0])
+    return _reduce_rows(torch.tensor([[float(m[k]) for k in keys] for m in per_rank], dtype=torch.float64), keys,
+                        sum_keys)
+
+
+def _reduce_rows(rows: torch.Tensor, keys: list[str], sum_keys) -> dict[str, float]:
+    """Each column of rows [ranks, K] reduced by its key's op."""
     reduce = {"sum": torch.sum, "max": torch.amax, "min": torch.amin, "mean": torch.mean}
-    return {k: reduce[_reduce_op(k, sum_keys)](gathered[:, i]).item() for i, k in enumerate(keys)}
+    return {k: reduce[_reduce_op(k, sum_keys)](rows[:, i]).item() for i, k in enumerate(keys)}
 
 
 def all_sum_fn(dist: Dist):

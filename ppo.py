@@ -63,6 +63,15 @@ class SPMD:
         """The same metrics on every rank: sums for sum_keys, else by the key's name (comm.reduce_metrics)."""
         return reduce_metrics(metrics, self.dist, sum_keys)
 
+    def run_all(self, calls: dict, batch: TensorDict, metrics: dict) -> dict:
+        """{key: method(batch)} for calls {key: (timer name, method)}, one after the other (each a collective over
+        the ranks), each timed as timing_s/<timer name>."""
+        out = {}
+        for key, (name, method) in calls.items():
+            with timer(name, metrics):
+                out[key] = method(batch)
+        return out
+
     def barrier(self) -> None:
         barrier(self.dist)
 
@@ -135,14 +144,13 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
         batch["group"] = torch.arange(batch.batch_size[0] // cfg.rollout_n).repeat_interleave(cfg.rollout_n)  # [B]
 
         # ==================== 3. old (and reference) log-probs, values ====================
-        with timer("old_log_prob", metrics):
-            batch["old_log_probs"] = actor.log_probs(batch)  # [B, R]
+        # independent passes: a controller whose actor and critic live on separate devices runs them at once
+        passes = {"old_log_probs": ("old_log_prob", actor.log_probs)}  # batch key: (timer name, method)
         if cfg.use_reference:
-            with timer("ref", metrics):
-                batch["ref_log_probs"] = actor.ref_log_probs(batch)  # [B, R]
+            passes["ref_log_probs"] = ("ref", actor.ref_log_probs)
         if critic:
-            with timer("values", metrics):
-                batch["values"] = critic.values(batch)  # [B, R]
+            passes["values"] = ("values", critic.values)
+        batch.update(ctl.run_all(passes, batch, metrics))  # [B, R] each
 
         # ==================== 4. token rewards, advantages ====================
         with timer("adv", metrics):
@@ -161,13 +169,12 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
                 values=batch.get("values"), gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std=cfg.norm_adv_by_std,
                 all_sum=ctl.all_sum)  # [B, R] each
 
-        # ==================== 5. update the critic, then the actor (after critic_warmup) ====================
-        if critic:
-            with timer("update_critic", metrics):
-                metrics.update(critic.update(batch))
+        # ==================== 5. update the critic and the actor (after critic_warmup) ====================
+        updates = {"critic": ("update_critic", critic.update)} if critic else {}
         if step > cfg.critic_warmup:
-            with timer("update_actor", metrics):
-                metrics.update(actor.update(batch))
+            updates["actor"] = ("update_actor", actor.update)
+        for update_metrics in ctl.run_all(updates, batch, metrics).values():
+            metrics.update(update_metrics)
 
     metrics.update(batch_metrics(batch, cfg.max_response_length))
     metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]  # per rank

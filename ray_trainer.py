@@ -1,0 +1,386 @@
+"""The single controller on Ray (HybridFlow's hybrid programming model): one driver process runs the same step and
+loop as torchrun (ppo.rl_step, ppo.loop) over worker groups of Ray actors, each group one torch process group.
+
+    python ray_trainer.py                                    # local Ray, GRPO, 2 colocated workers on this CPU
+    python ray_trainer.py --adv-estimator gae --ray.placement split --ray.cpus-per-worker 0.5   # PPO, critic apart
+    python ray_trainer.py --help                             # config.Config's fields, plus --ray.* below
+    ray start --head                                         # a real cluster: on the head node ...
+    ray start --address HEAD_IP:6379                         # ... and on every other node, then on the head:
+    python ray_trainer.py --ray.address auto --ray.workers 16 --model-path ...   # one worker a GPU, on any nodes
+
+The driver holds no device. It keeps the whole batch of a step; a worker-group call splits the arguments that hold
+a batch (a TensorDict, or the prompt and seed lists of generate) into contiguous chunks, one per data-parallel rank,
+runs the method on every actor, and joins the results (verl's DP_COMPUTE: tensors concatenated, metrics reduced as
+torchrun reduces them); a call with no batch goes to every actor (ONE_TO_ALL) and returns rank 0's answer. Data
+moves through Ray's object store; only the driver ever holds the whole batch.
+
+Placement: a pool is a Ray placement group of one bundle a device (a GPU on GPU machines, a CPU slot here).
+colocated: actor, rollout engine and reference in one process a device (the hybrid engine) and the critic in the same
+process; split: the critic gets its own pool and process group, and the driver runs the critic's work and the
+actor's at once where they do not depend on each other (values beside the old/ref log-probs, the critic's update
+beside the actor's).
+
+Fault tolerance: when a worker dies or does not answer within call_timeout_s, the driver logs which worker, method,
+step and cause, kills the groups, starts new ones, loads the latest checkpoint and goes on. Sampling is seeded per
+prompt and step, so the finished run equals an uninterrupted one; ray/restarts counts the restarts.
+"""
+
+import os
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+import ray
+import torch
+import tyro
+from ray.exceptions import RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tensordict import TensorDict
+
+from batching import balance_whole
+from comm import barrier, combine_metrics, init_distributed, shutdown, timer
+from config import Config
+from ppo import SUM_KEYS, loop, make_run, warm_start_and_task_files
+from workers import ActorWorker, CriticWorker
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class RayConfig:
+    workers: int = 2
+    """Actor workers: one a device (its dp ranks); colocated, the critic runs in the same processes."""
+    critic_workers: int | None = None
+    """placement split: workers in the critic's own pool (None: as many as workers)."""
+    placement: Literal["colocated", "split"] = "colocated"
+    """colocated: every role in one pool, one process a device; split: the critic in a pool of its own."""
+    cpus_per_worker: float = 1.0
+    """CPUs of one bundle (one worker). Two 1-CPU workers fill a 2-core machine; split on it takes 0.5."""
+    gpus_per_worker: int | None = None
+    """GPUs of one bundle; None: 1 when the cluster has GPUs, else 0."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How a pool's bundles spread over the nodes (Ray's placement strategies)."""
+    address: str | None = None
+    """None: start a local Ray instance; auto: join the running cluster (ray start); or a head's address."""
+    call_timeout_s: float = 1800.0
+    """A worker-group call with no answer in this time counts as a dead worker (a restart)."""
+    max_restarts: int = 3
+    """Restarts after worker failures before the run stops with an error."""
+    fail_role: Literal["actor", "critic"] | None = None
+    """Fault injection: the role whose worker fails (None: none fails)."""
+    fail_rank: int = 0
+    """Fault injection: the failing worker's rank in its group."""
+    fail_method: str = "update"
+    """Fault injection: the worker method during which it fails (generate, log_probs, values, update, ...)."""
+    fail_call: int = 1
+    """Fault injection: it fails at this call of the method (generate: call 1 is the step-0 evaluation)."""
+    fail_mode: Literal["exit", "hang"] = "exit"
+    """Fault injection: exit hard (os._exit), or stop answering (sleep forever)."""
+    fail_times: int = 1
+    """Fault injection: the first this many incarnations of the groups fail (more than max_restarts: keeps dying)."""
+
+    def __post_init__(self):
+        for name in ("workers", "fail_call", "fail_times"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ray.{name}={getattr(self, name)} must be >= 1")
+        if self.critic_workers is not None and self.critic_workers < 1:
+            raise ValueError(f"ray.critic_workers={self.critic_workers} must be >= 1")
+        if self.cpus_per_worker <= 0 or self.call_timeout_s <= 0 or self.max_restarts < 0:
+            raise ValueError("ray.cpus_per_worker and ray.call_timeout_s must be > 0, ray.max_restarts >= 0")
+
+
+@dataclass
+class RayTrainerConfig:
+    run: Annotated[Config, tyro.conf.arg(name="")] = field(
+        default_factory=lambda: Config(adv_estimator="grpo", out_dir="out/ray"))
+    """The run: the same Config as grpo.py and ppo.py (here GRPO's defaults, out_dir out/ray)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """The controller's own settings."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# The worker side: one Ray actor a device, holding its roles' workers
+# ---------------------------------------------------------------------------------------------------
+
+
+class WorkerHost:
+    """One process of a worker group: it joins the group's torch process group and holds the workers of its roles
+    (colocated: actor and critic; split: one of them). The driver calls their methods through call()."""
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port: rank 0's, for the group's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, roles: list[str], cfg: Config, model_path: str, rank: int, world: int, master: tuple[str, int],
+              fault: dict | None) -> dict:
+        """Join the process group (comm's init from the torchrun variables) and build the workers; returns where it
+        runs."""
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=master[0],
+                          MASTER_PORT=str(master[1]))  # Ray gives each actor its own GPU as device 0
+        self.dist = init_distributed(cfg.dist_timeout_s)
+        self.workers = {}
+        if "actor" in roles:
+            self.workers["actor"] = ActorWorker(cfg, model_path, self.dist)
+        if "critic" in roles:
+            self.workers["critic"] = CriticWorker(cfg, cfg.critic_model_path or model_path, self.dist)
+        self.fault, self.calls = fault, Counter()
+        return {"rank": rank, "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def call(self, role: str, method: str, *args, **kwargs):
+        self.calls[role, method] += 1
+        f, rank = self.fault, self.dist.rank
+        if f and (f["role"], f["rank"], f["method"], f["call"]) == (role, rank, method, self.calls[role, method]):
+            print(f"[fault injection] {role} rank {rank}: {f['mode']} in {method}, call {f['call']}", flush=True)
+            if f["mode"] == "exit":
+                os._exit(1)
+            time.sleep(10**9)
+        return getattr(self.workers[role], method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        """After the run's last collective: close the engine (its cleanup destroys the default group), then leave."""
+        barrier(self.dist)
+        for worker in self.workers.values():
+            worker.close()
+        shutdown(self.dist)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The driver side: worker groups, their calls, and the controller the step runs with
+# ---------------------------------------------------------------------------------------------------
+
+
+class WorkerFailure(Exception):
+    """A worker died or stopped answering: the driver restarts the groups from the latest checkpoint."""
+
+
+def _chunks(n: int, k: int) -> list[slice]:
+    """k contiguous slices of n items, the first n % k one longer (the same split as torchrun's shards when k | n)."""
+    sizes = [n // k + (i < n % k) for i in range(k)]
+    starts = [sum(sizes[:i]) for i in range(k)]
+    return [slice(s, s + size) for s, size in zip(starts, sizes)]
+
+
+def _join(parts: list):
+    """Join one result per rank: tensors and TensorDicts concatenated, metrics reduced, tuples element-wise."""
+    first = parts[0]
+    if isinstance(first, tuple):
+        return tuple(_join(list(p)) for p in zip(*parts))
+    if isinstance(first, TensorDict):
+        return torch.cat(parts)
+    if torch.is_tensor(first):
+        return torch.cat(parts)
+    if isinstance(first, dict):
+        return combine_metrics(parts, SUM_KEYS)
+    return first  # ONE_TO_ALL: rank 0's answer
+
+
+def _nbytes(x) -> int:
+    """Bytes of the tensors in x (what the driver sends or receives)."""
+    if isinstance(x, (tuple, list)):
+        return sum(_nbytes(v) for v in x)
+    if isinstance(x, TensorDict):
+        return sum(t.numel() * t.element_size() for t in x.values())
+    return x.numel() * x.element_size() if torch.is_tensor(x) else 0
+
+
+class WorkerGroup:
+    """One role's Ray actors as one worker: group.log_probs(batch) runs log_probs on every rank's chunk and joins
+    the results; group.method.submit(...) starts the call and returns a Pending to wait on later."""
+
+    def __init__(self, role: str, hosts: list, timeout: float, driver: "Driver"):
+        self.role, self.hosts, self.timeout, self.driver = role, hosts, timeout, driver
+        self.dp_size = len(hosts)
+
+    def __getattr__(self, method: str) -> "GroupMethod":
+        return GroupMethod(self, method)
+
+
+class GroupMethod:
+    def __init__(self, group: WorkerGroup, method: str):
+        self.group, self.method = group, method
+
+    def submit(self, *args, **kwargs) -> "Pending":
+        """DP_COMPUTE when an argument holds a batch (a TensorDict, or generate's prompt and seed lists): each rank
+        gets its contiguous chunk of each; else ONE_TO_ALL: every rank gets the same arguments. Keyword arguments go
+        to every rank as they are."""
+        g, k = self.group, self.group.dp_size
+        n = next((len(a) for a in args if isinstance(a, (TensorDict, list))), None)
+        split = [[a[s] if isinstance(a, (TensorDict, list)) else a for a in args] for s in _chunks(n, k)] \
+            if n is not None else [list(args)] * k
+        g.driver.bytes_moved += sum(_nbytes(a) for a in args)
+        refs = [h.call.remote(g.role, self.method, *a, **kwargs) for h, a in zip(g.hosts, split)]
+        return Pending(refs, f"{g.role}.{self.method}", g)
+
+    def __call__(self, *args, **kwargs):
+        return self.submit(*args, **kwargs).result()
+
+
+class Pending:
+    """A worker-group call in flight."""
+
+    def __init__(self, refs: list, what: str, group: WorkerGroup):
+        self.refs, self.what, self.group = refs, what, group
+
+    def result(self):
+        """Every rank's answer, joined. A rank that died, or no answer within the timeout, is a WorkerFailure that
+        names the rank; an exception raised in the worker's code goes up as it is."""
+        waiting, deadline = list(self.refs), time.time() + self.group.timeout
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.time()))
+            if not ready:
+                ranks = [self.refs.index(r) for r in waiting]
+                raise WorkerFailure(f"{self.what}: rank(s) {ranks} gave no answer within {self.group.timeout:.0f} s")
+            try:
+                ray.get(ready[0])
+            except RayActorError as e:
+                raise WorkerFailure(f"{self.what}: rank {self.refs.index(ready[0])} died ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0]})") from e
+        out = _join(ray.get(self.refs))
+        self.group.driver.bytes_moved += _nbytes(out)
+        return out
+
+
+class Driver:
+    """The single controller's view of the step (ppo.SPMD's methods): it holds the whole batch (dp_rank 0 of 1 for
+    the data), computes every statistic over it (all_sum None), balances by reordering rows so that each rank's
+    contiguous chunk is what torchrun's balancing would give it, and runs independent worker calls at once."""
+
+    def __init__(self, ranks: int, restarts: int):
+        self.dp_rank, self.dp_size, self.is_main, self.all_sum = 0, 1, True, None
+        self.ranks, self.restarts, self.bytes_moved, self.last_step = ranks, restarts, 0, 0
+
+    def balance(self, batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Tensor, unit: int):
+        return balance_whole(batch, seqlens, workloads, self.ranks, unit)
+
+    def reduce(self, metrics: dict, sum_keys: tuple[str, ...] = SUM_KEYS) -> dict:
+        """The metrics as they are (worker groups reduced theirs over the ranks), with the controller's own."""
+        out = {k: float(v) for k, v in metrics.items()}
+        if "perf/throughput" in out:  # tokens per second per rank, as torchrun reports it
+            out["perf/throughput"] /= self.ranks
+        if "step" in metrics:  # a step's metrics (not an evaluation's)
+            self.last_step = metrics["step"]
+            out["ray/driver_bytes"], self.bytes_moved = float(self.bytes_moved), 0
+        return {**out, "ray/restarts": float(self.restarts)}
+
+    def run_all(self, calls: dict, batch: TensorDict, metrics: dict) -> dict:
+        """{key: method(batch)} for calls {key: (timer name, group method)}: all started, then all awaited (each
+        timer is the wall time of the whole set)."""
+        start = time.perf_counter()
+        pending = {key: method.submit(batch) for key, (_, method) in calls.items()}
+        out = {key: p.result() for key, p in pending.items()}
+        for name, _ in calls.values():
+            metrics[f"timing_s/{name}"] = time.perf_counter() - start
+        return out
+
+    def barrier(self) -> None:
+        """Nothing to wait for: every worker-group call returns when all its ranks are done."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pools, groups and the restarting run
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Groups:
+    actor: WorkerGroup
+    critic: WorkerGroup | None
+    hosts: list  # every Ray actor, to shut down or kill
+    pools: list  # placement groups
+    where: list[dict]  # each host's role, rank, node and pid
+
+
+def start_pool(n: int, rc: RayConfig, gpus: int) -> tuple:
+    """A placement group of n bundles (one a device) and its n WorkerHost actors, one on each bundle."""
+    pool = placement_group([{"CPU": rc.cpus_per_worker, **({"GPU": gpus} if gpus else {})}] * n, strategy=rc.strategy)
+    ray.get(pool.ready(), timeout=600)
+    host_cls = ray.remote(WorkerHost)
+    hosts = [host_cls.options(num_cpus=rc.cpus_per_worker, num_gpus=gpus, scheduling_strategy=(
+        PlacementGroupSchedulingStrategy(pool, placement_group_bundle_index=i))).remote() for i in range(n)]
+    return pool, hosts
+
+
+def start_groups(cfg: Config, rc: RayConfig, model_path: str, driver: Driver, incarnation: int) -> Groups:
+    """The pools and worker groups of the configured placement; every group forms its own process group."""
+    gpus = rc.gpus_per_worker if rc.gpus_per_worker is not None else int(ray.cluster_resources().get("GPU", 0) > 0)
+    with_critic = cfg.adv_estimator == "gae"
+    layout = [("actor", ["actor", "critic"] if with_critic and rc.placement == "colocated" else ["actor"], rc.workers)]
+    if with_critic and rc.placement == "split":
+        layout.append(("critic", ["critic"], rc.critic_workers or rc.workers))
+    fault = None if rc.fail_role is None or incarnation >= rc.fail_times else dict(
+        role=rc.fail_role, rank=rc.fail_rank, method=rc.fail_method, call=rc.fail_call, mode=rc.fail_mode)
+    groups, all_hosts, pools, where = {}, [], [], []
+    for name, roles, n in layout:
+        pool, hosts = start_pool(n, rc, gpus)
+        master = ray.get(hosts[0].address.remote())
+        infos = ray.get([h.setup.remote(roles, cfg, model_path, rank, n, master, fault)
+                         for rank, h in enumerate(hosts)])
+        where += [{"group": name, **info} for info in infos]
+        for role in roles:
+            groups[role] = WorkerGroup(role, hosts, rc.call_timeout_s, driver)
+        all_hosts += hosts
+        pools.append(pool)
+    return Groups(groups["actor"], groups.get("critic"), all_hosts, pools, where)
+
+
+def stop_groups(groups: Groups | None, clean: bool) -> None:
+    """clean: the hosts close their engines and process groups first; then every host and pool is removed."""
+    if groups is None:
+        return
+    if clean:
+        ray.get([h.shutdown.remote() for h in groups.hosts])
+    for host in groups.hosts:
+        ray.kill(host)
+    for pool in groups.pools:
+        remove_placement_group(pool)
+
+
+def check(cfg: Config, rc: RayConfig) -> None:
+    """What Config cannot check alone: the batch sizes against the groups' ranks."""
+    for name, n in (("ray.workers", rc.workers), ("ray.critic_workers", rc.critic_workers or rc.workers)):
+        if cfg.train_batch_size % n or cfg.ppo_mini_batch_size % n:
+            raise ValueError(f"train_batch_size={cfg.train_batch_size} and ppo_mini_batch_size="
+                             f"{cfg.ppo_mini_batch_size} must divide by {name}={n}")
+    if cfg.rollout_backend == "hf" and rc.workers > 1:
+        raise ValueError("rollout_backend='hf' runs in one process only; use 'vllm' with several workers")
+
+
+def train(rc_all: RayTrainerConfig) -> list[dict]:
+    """Run the loop from the driver, restarting the worker groups from the latest checkpoint after a failure."""
+    cfg, rc = rc_all.run, rc_all.ray
+    check(cfg, rc)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    if not ray.is_initialized():
+        env = {"PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}  # the workers import ours
+        ray.init(address=rc.address, runtime_env={"env_vars": env}, include_dashboard=False,
+                 **({} if rc.address else {"num_cpus": max(os.cpu_count() or 1, 2)}))
+    model_path, train_files, val_files = warm_start_and_task_files(cfg, init_distributed())  # the driver: no group
+    restarts = 0
+    while True:
+        driver, groups = Driver(rc.workers, restarts), None
+        try:
+            groups = start_groups(cfg, rc, model_path, driver, restarts)
+            for w in groups.where:
+                print(f"[ray] {w['group']} rank {w['rank']}: node {w['node'][:12]} pid {w['pid']}")
+            records = loop(make_run(cfg, model_path, train_files, val_files, groups.actor, groups.critic, driver))
+            stop_groups(groups, clean=True)
+            return records
+        except WorkerFailure as e:
+            restarts += 1
+            print(f"[ray] worker failure in step {driver.last_step + 1} (or its evaluation): {e}; restart "
+                  f"{restarts} of at most {rc.max_restarts}: new worker groups, resuming from the latest checkpoint",
+                  file=sys.stderr, flush=True)
+            stop_groups(groups, clean=False)
+            if restarts > rc.max_restarts:
+                raise RuntimeError(f"workers kept failing: {restarts} failures, ray.max_restarts={rc.max_restarts}; "
+                                   f"the last: {e}") from e
+
+
+if __name__ == "__main__":
+    train(tyro.cli(RayTrainerConfig))
