@@ -36,7 +36,7 @@ from typing import Annotated, Literal
 import ray
 import torch
 import tyro
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tensordict import TensorDict
@@ -48,6 +48,7 @@ from ppo import SUM_KEYS, loop, make_run, warm_start_and_task_files
 from workers import ActorWorker, CriticWorker
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+DEATH_GRACE_S = 30.0  # after a worker's error, how long to wait for news that a peer died (the likelier cause)
 
 
 @dataclass
@@ -229,7 +230,8 @@ class Pending:
 
     def result(self):
         """Every rank's answer, joined. A rank that died, or no answer within the timeout, is a WorkerFailure that
-        names the rank; an exception raised in the worker's code goes up as it is."""
+        names the rank; an exception raised in the worker's code goes up as it is, unless a rank died meanwhile
+        (its peers' collectives then fail with connection errors)."""
         waiting, deadline = list(self.refs), time.time() + self.group.timeout
         while waiting:
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.time()))
@@ -239,11 +241,22 @@ class Pending:
             try:
                 ray.get(ready[0])
             except RayActorError as e:
-                raise WorkerFailure(f"{self.what}: rank {self.refs.index(ready[0])} died ({type(e).__name__}: "
-                                    f"{str(e).splitlines()[0]})") from e
+                raise WorkerFailure(self._died(ready[0], e)) from e
+            except RayTaskError as e:  # did a peer die? then that is the failure to report
+                for ref in waiting:
+                    try:
+                        ray.get(ref, timeout=DEATH_GRACE_S)
+                    except RayActorError as death:
+                        raise WorkerFailure(self._died(ref, death)) from e
+                    except Exception:  # noqa: BLE001 (another rank's error, or still running: keep looking)
+                        pass
+                raise
         out = _join(ray.get(self.refs))
         self.group.driver.bytes_moved += _nbytes(out)
         return out
+
+    def _died(self, ref, error: Exception) -> str:
+        return f"{self.what}: rank {self.refs.index(ref)} died ({type(error).__name__}: {str(error).splitlines()[0]})"
 
 
 class Driver:
@@ -373,13 +386,13 @@ def train(rc_all: RayTrainerConfig) -> list[dict]:
             return records
         except WorkerFailure as e:
             restarts += 1
-            print(f"[ray] worker failure in step {driver.last_step + 1} (or its evaluation): {e}; restart "
-                  f"{restarts} of at most {rc.max_restarts}: new worker groups, resuming from the latest checkpoint",
-                  file=sys.stderr, flush=True)
             stop_groups(groups, clean=False)
+            where = f"after step {driver.last_step} completed" if driver.last_step else "before step 1 completed"
             if restarts > rc.max_restarts:
                 raise RuntimeError(f"workers kept failing: {restarts} failures, ray.max_restarts={rc.max_restarts}; "
-                                   f"the last: {e}") from e
+                                   f"the last {where}: {e}") from e
+            print(f"[ray] worker failure {where}: {e}; restart {restarts} of at most {rc.max_restarts}: new worker "
+                  "groups, resuming from the latest checkpoint", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+"""The Ray single controller (ray_trainer.py) against torchrun, and after failures, on a local Ray instance:
+
+    python -m pytest tests/test_ray.py -q
+
+- GRPO with 2 colocated workers gives torchrun's per-step rewards, losses and accuracies and its final weights;
+  so does PPO with the critic in a pool of its own (split placement).
+- A worker that exits hard during generation, or during the actor update, is replaced: the run resumes from the
+  latest checkpoint and ends with the uninterrupted run's metrics and weights; ray/restarts counts the restart.
+- A worker that keeps dying stops the run after ray.max_restarts with an error that says so.
+"""
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+import ray
+from safetensors.torch import load_file
+from test_spmd import args, launch
+
+from config import Config
+from ray_trainer import RayConfig, RayTrainerConfig, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 3
+# what both controllers compute the same way (per-rank token means, such as critic/advantages/mean, and timings
+# are averaged differently by torchrun's rank-mean and the driver's whole batch)
+SAME = ("critic/score/mean", "critic/score/max", "critic/score/min", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
+        "actor/grad_norm", "actor/pg_clipfrac", "response_length/mean", "critic/vf_loss", "critic/grad_norm",
+        "critic/values/max", "critic/values/min", "val/accuracy", "global_seqlen/balanced_minmax_diff")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray(tmp_path_factory):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "RAY_AUTH_MODE": "disabled"}})
+    yield
+    ray.shutdown()
+
+
+def config(setup: dict, out_dir, **overrides) -> Config:
+    return Config(**{**setup, "train_batch_size": 8, "ppo_mini_batch_size": 4, "rollout_n": 4,
+                     "max_response_length": 6, "lr": 3e-3, "eval_every": 2, "total_steps": STEPS, "ckpt_every": 2,
+                     "adv_estimator": "grpo", "out_dir": str(out_dir), **overrides})
+
+
+def records(out_dir) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+
+
+def assert_same_run(a, b, out_a, out_b, critic: bool = False):
+    """Same steps, the same values of SAME within 1e-5, and the same final weights."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        for key in SAME:
+            assert (key in ra) == (key in rb), (ra["step"], key)
+            if key in ra:
+                assert ra[key] == pytest.approx(rb[key], abs=1e-5), (ra["step"], key)
+    for folder in ("final", "critic") if critic else ("final",):
+        wa, wb = (load_file(os.path.join(d, folder, "model.safetensors")) for d in (out_a, out_b))
+        assert wa.keys() == wb.keys()
+        for name in wa:
+            assert (wa[name] - wb[name]).abs().max() <= 1e-5, (folder, name)
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(tiny_rl_setup, tmp_path_factory):
+    """The same GRPO run under torchrun (2 ranks) and under the Ray driver (2 colocated workers)."""
+    torchrun, on_ray = tmp_path_factory.mktemp("torchrun"), tmp_path_factory.mktemp("ray_grpo")
+    launch(args(tiny_rl_setup, torchrun, total_steps=STEPS, ckpt_every=2), torchrun / "log", ranks=2)
+    cfg = config(tiny_rl_setup, on_ray, hybrid=replace(Config().hybrid, verify_sync=True))
+    return cfg, torchrun, train(RayTrainerConfig(cfg, RayConfig(workers=2)))
+
+
+def test_ray_grpo_equals_torchrun(grpo_runs):
+    cfg, torchrun, ray_records = grpo_runs
+    assert_same_run(records(torchrun), records(cfg.out_dir), torchrun, cfg.out_dir)
+    assert ray_records == records(cfg.out_dir)
+    assert all(r["ray/restarts"] == 0 and r["ray/driver_bytes"] > 0 for r in ray_records[1:])
+    assert os.path.getsize(os.path.join(cfg.out_dir, "curves.png")) > 1000
+
+
+# generate's calls: 1 the step-0 evaluation, 2 and 3 steps 1 and 2, 4 step 2's evaluation, 5 step 3; update's: a step each
+@pytest.mark.parametrize("method, call", [("generate", 5), ("update", 3)])
+def test_a_dead_worker_is_replaced(grpo_runs, tmp_path, method, call):
+    """Rank 1 exits hard in step 3: the driver restarts the groups from step 2's checkpoint and ends where the
+    uninterrupted run ended."""
+    cfg, _, whole = grpo_runs
+    rc = RayConfig(workers=2, fail_role="actor", fail_rank=1, fail_method=method, fail_call=call)
+    broken = train(RayTrainerConfig(replace(cfg, out_dir=str(tmp_path)), rc))
+    assert [r["ray/restarts"] for r in broken[1:]] == [0, 0, 1]  # step 3 ran again, in the new groups
+    assert_same_run(whole, broken, cfg.out_dir, tmp_path)
+
+
+def test_a_worker_that_keeps_dying_stops_the_run(tiny_rl_setup, tmp_path):
+    rc = RayConfig(workers=2, fail_role="actor", fail_rank=0, fail_method="generate", fail_call=1, fail_times=5,
+                   max_restarts=1)
+    with pytest.raises(RuntimeError, match=r"workers kept failing: 2 failures, ray.max_restarts=1; the last before "
+                                           r"step 1 completed: actor.generate: "
+                                           r"rank 0 died"):
+        train(RayTrainerConfig(config(tiny_rl_setup, tmp_path), rc))
+
+
+def test_ray_ppo_split_equals_torchrun(tiny_rl_setup, tmp_path):
+    """PPO with the critic in a pool and process group of its own (4 workers of half a CPU)."""
+    torchrun, on_ray = tmp_path / "torchrun", tmp_path / "ray"
+    launch(args(tiny_rl_setup, torchrun, total_steps=2, critic_warmup=1), tmp_path / "log", ranks=2, script="ppo.py")
+    cfg = config(tiny_rl_setup, on_ray, adv_estimator="gae", total_steps=2, critic_warmup=1, ckpt_every=0,
+                 hybrid=replace(Config().hybrid, verify_sync=True))
+    train(RayTrainerConfig(cfg, RayConfig(workers=2, placement="split", cpus_per_worker=0.5)))
+    assert_same_run(records(torchrun), records(on_ray), torchrun, on_ray, critic=True)
+    assert "timing_s/values" in records(on_ray)[1] and "critic/vf_loss" in records(on_ray)[2]
