@@ -4,8 +4,9 @@
 
 - GRPO with 2 colocated workers gives torchrun's per-step rewards, losses and accuracies and its final weights;
   so does PPO with the critic in a pool of its own (split placement).
-- A worker that exits hard during generation, or during the actor update, is replaced: the run resumes from the
-  latest checkpoint and ends with the uninterrupted run's metrics and weights; ray/restarts counts the restart.
+- A worker that stops answering during generation, or exits hard during the actor update, is replaced: the run
+  resumes from the latest checkpoint and ends with the uninterrupted run's metrics and weights; ray/restarts counts
+  the restart.
 - A worker that keeps dying stops the run after ray.max_restarts with an error that says so.
 """
 
@@ -82,12 +83,14 @@ def test_ray_grpo_equals_torchrun(grpo_runs):
 
 
 # generate's calls: 1 the step-0 evaluation, 2 and 3 steps 1 and 2, 4 step 2's evaluation, 5 step 3; update's: a step each
-@pytest.mark.parametrize("method, call", [("generate", 5), ("update", 3)])
-def test_a_dead_worker_is_replaced(grpo_runs, tmp_path, method, call):
-    """Rank 1 exits hard in step 3: the driver restarts the groups from step 2's checkpoint and ends where the
-    uninterrupted run ended."""
+@pytest.mark.parametrize("method, call, mode", [("generate", 5, "hang"), ("update", 3, "exit")])
+def test_a_failed_worker_is_replaced(grpo_runs, tmp_path, method, call, mode):
+    """Rank 1 stops answering during step 3's generation (the driver's call times out), or exits hard during step 3's
+    actor update: the driver restarts the groups from step 2's checkpoint and ends where the uninterrupted run
+    ended."""
     cfg, _, whole = grpo_runs
-    rc = RayConfig(workers=2, fail_role="actor", fail_rank=1, fail_method=method, fail_call=call)
+    rc = RayConfig(workers=2, fail_role="actor", fail_rank=1, fail_method=method, fail_call=call, fail_mode=mode,
+                   call_timeout_s=30)
     broken = train(RayTrainerConfig(replace(cfg, out_dir=str(tmp_path)), rc))
     assert [r["ray/restarts"] for r in broken[1:]] == [0, 0, 1]  # step 3 ran again, in the new groups
     assert_same_run(whole, broken, cfg.out_dir, tmp_path)
