@@ -83,7 +83,7 @@ class Run:
     cfg: Config
     actor: ActorWorker
     critic: CriticWorker | None
-    ctl: SPMD
+    ctl: SPMD  # or ray_trainer.Driver: the same methods, for a driver that holds the whole batch
     tokenizer: object  # the policy's (the driver tokenizes prompts and decodes responses for the verifier)
     reward_fn: object
     train_ds: RLDataset

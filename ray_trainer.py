@@ -272,7 +272,8 @@ class Driver:
         return balance_whole(batch, seqlens, workloads, self.ranks, unit)
 
     def reduce(self, metrics: dict, sum_keys: tuple[str, ...] = SUM_KEYS) -> dict:
-        """The metrics as they are (worker groups reduced theirs over the ranks), with the controller's own."""
+        """The metrics as they are (worker groups reduced theirs over the ranks, so sum_keys has nothing left to
+        sum), with the controller's own."""
         out = {k: float(v) for k, v in metrics.items()}
         if "perf/throughput" in out:  # tokens per second per rank, as torchrun reports it
             out["perf/throughput"] /= self.ranks

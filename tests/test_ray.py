@@ -82,7 +82,7 @@ def test_ray_grpo_equals_torchrun(grpo_runs):
     assert os.path.getsize(os.path.join(cfg.out_dir, "curves.png")) > 1000
 
 
-# generate's calls: 1 the step-0 evaluation, 2 and 3 steps 1 and 2, 4 step 2's evaluation, 5 step 3; update's: a step each
+# generate's calls: 1 the step-0 evaluation, 2 and 3 steps 1 and 2, 4 step 2's evaluation, 5 step 3; update: one a step
 @pytest.mark.parametrize("method, call, mode", [("generate", 5, "hang"), ("update", 3, "exit")])
 def test_a_failed_worker_is_replaced(grpo_runs, tmp_path, method, call, mode):
     """Rank 1 stops answering during step 3's generation (the driver's call times out), or exits hard during step 3's
