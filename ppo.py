@@ -6,6 +6,7 @@
     python ppo.py --adv-estimator reinforce_plus_plus   # no critic: REINFORCE++ (also rloo, grpo, ..._baseline)
     torchrun --nproc_per_node=2 ppo.py   # every rank runs the loop on its shard of the prompts (SPMD)
     python grpo.py                       # GRPO: the same loop with grpo.py's defaults
+    python ray_trainer.py                # the same step and loop from a Ray driver over worker groups
 
 One RL step (rl_step), as verl (HybridFlow) does it:
     rollout (the actor streams its weights into vLLM and samples n responses per prompt) -> reward (the task's
@@ -13,8 +14,8 @@ One RL step (rl_step), as verl (HybridFlow) does it:
     advantages -> critic update, actor update on micro-batches
 The step is written once, against the workers' methods (workers.py) and a controller (how the step's batch
 relates to the data-parallel ranks). Under torchrun (`SPMD`) every rank runs the loop on its own shard of the
-prompts; a single controller (a Ray driver) runs the same step and loop once, on the whole batch, with worker
-groups in place of the workers. The algorithm math is in core_algos.py; PPO's own part is the critic (GAE, the
+prompts; the single controller (ray_trainer.py's Driver) runs the same step and loop once, on the whole batch,
+with worker groups in place of the workers. The algorithm math is in core_algos.py; PPO's own part is the critic (GAE, the
 value loss), the clipped surrogate and the KL controller, chosen by Config's fields.
 """
 
