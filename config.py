@@ -6,6 +6,7 @@
 Invalid values and combinations are rejected here, naming the field, before anything heavy starts.
 """
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -152,6 +153,9 @@ class Config:
     """Steps between DCP checkpoints in out_dir/checkpoints (0: none); they resume at any world size."""
     resume: str = "auto"
     """auto: continue from out_dir/checkpoints' latest if there is one; off: start over; or a checkpoint path."""
+    overwrite: bool = False
+    """Start over in an out_dir that holds a previous run's metrics.jsonl (replacing its files); without it such a
+    run is refused, so that no run destroys another's results."""
 
     def __post_init__(self):
         for name in ("rollout_n", "train_batch_size", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs",
@@ -187,7 +191,7 @@ class Config:
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
-        for name in ("critic_lr", "cliprange_value", "kl_target"):
+        for name in ("lr", "critic_lr", "cliprange_value", "kl_target", "grad_clip"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         if self.kl_horizon < 1:
@@ -205,8 +209,25 @@ class Config:
         if self.adv_estimator in ("grpo", "rloo") and self.use_kl_in_reward:
             raise ValueError(f"use_kl_in_reward: adv_estimator={self.adv_estimator!r} scores whole responses, not "
                              "tokens; use use_kl_loss")
+        if self.weight_decay < 0 or self.kl_loss_coef < 0:
+            raise ValueError(f"weight_decay={self.weight_decay} and kl_loss_coef={self.kl_loss_coef} must be >= 0")
+        self._check_paths()
         if self.adv_estimator == "rloo" and self.rollout_n < 2:
             raise ValueError(f"rollout_n={self.rollout_n}: rloo's leave-one-out baseline needs >= 2 samples a prompt")
+
+    def _check_paths(self) -> None:
+        """Named files and folders must exist: found out here, before any model or engine starts."""
+        for name in ("model_path", "critic_model_path"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
+                raise FileNotFoundError(f"{name}={path}: not an HF model folder (no config.json there); give a local "
+                                        "folder that from_pretrained reads (this project downloads nothing)")
+        for name in ("train_files", "val_files"):
+            for path in filter(None, (getattr(self, name) or "").split(",")):
+                if not os.path.isfile(path):
+                    raise FileNotFoundError(f"{name}: no such parquet file {path}")
+        if self.reward_fn_path is not None and not os.path.isfile(self.reward_fn_path):
+            raise FileNotFoundError(f"reward_fn_path={self.reward_fn_path}: no such file")
 
     @property
     def use_reference(self) -> bool:

@@ -15,14 +15,15 @@ One RL step (rl_step), as verl (HybridFlow) does it:
 The step is written once, against the workers' methods (workers.py) and a controller (how the step's batch
 relates to the data-parallel ranks). Under torchrun (`SPMD`) every rank runs the loop on its own shard of the
 prompts; the single controller (ray_trainer.py's Driver) runs the same step and loop once, on the whole batch,
-with worker groups in place of the workers. The algorithm math is in core_algos.py; PPO's own part is the critic (GAE, the
-value loss), the clipped surrogate and the KL controller, chosen by Config's fields.
+with worker groups in place of the workers. The algorithm math is in core_algos.py; PPO's own part is the critic
+(GAE, the value loss), the clipped surrogate and the KL controller, chosen by Config's fields.
 """
 
 import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import tyro
@@ -34,7 +35,8 @@ from batching import balance_ranks, flops_workload
 from comm import Dist, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics, shutdown, timer
 from config import Config
 from core_algos import compute_advantages, kl_in_reward, last_token, update_kl_coef
-from data import RLDataset, load_reward_fn
+from data import RLDataset, checked_score, load_reward_fn
+from fileio import write_atomic
 from sharding import begin_checkpoint, commit_checkpoint, find_latest
 from workers import ActorWorker, CriticWorker
 
@@ -188,9 +190,10 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
 
 
 def score(batch: TensorDict, rows: list[dict], tokenizer, reward_fn) -> torch.Tensor:
-    """One scalar reward per response [B] from the task's verifier; rows[b] is response b's prompt row."""
+    """One scalar reward per response [B] from the task's verifier; rows[b] is response b's prompt row. A reward
+    that is not a finite number stops the run here, before any update (data.checked_score)."""
     texts = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-    return torch.tensor([float(reward_fn(r["data_source"], t, r["ground_truth"], r["extra_info"]))
+    return torch.tensor([checked_score(reward_fn(r["data_source"], t, r["ground_truth"], r["extra_info"]), reward_fn, r)
                          for r, t in zip(rows, texts)])
 
 
@@ -335,8 +338,9 @@ def loop(run: Run) -> list[dict]:
     if ctl.is_main:  # only the main process writes files
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)
-        log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w")
-        log.writelines(json.dumps(r) + "\n" for r in records)
+        path = os.path.join(cfg.out_dir, "metrics.jsonl")  # the checkpoint's records, then one line a step
+        write_atomic(path, lambda tmp: Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in records)))
+        log = open(path, "a")
 
     def emit(record: dict):
         records.append(record)
@@ -369,8 +373,21 @@ def loop(run: Run) -> list[dict]:
     return records
 
 
+def check_out_dir(cfg: Config) -> None:
+    """Refuse to start over in an out_dir whose metrics.jsonl holds a previous run's steps, unless told to
+    (overwrite), so that no run destroys another's results; a run that resumes from a checkpoint keeps them."""
+    path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    resumes = cfg.resume != "off" and (cfg.resume != "auto" or find_latest(os.path.join(cfg.out_dir, "checkpoints")))
+    if not cfg.overwrite and not resumes and os.path.isfile(path) and os.path.getsize(path):
+        with open(path) as f:
+            steps = sum(1 for line in f if line.strip())
+        raise FileExistsError(f"out_dir={cfg.out_dir} holds a previous run ({steps} lines in metrics.jsonl) and no "
+                              "checkpoint to resume from: pass --overwrite to replace it, or another --out-dir")
+
+
 def train(cfg: Config) -> list[dict]:
     """Run cfg.total_steps RL steps on every rank (SPMD, under torchrun or in one process); returns the records."""
+    check_out_dir(cfg)  # every rank reads the same folder, so all refuse together
     dist = init_distributed(cfg.dist_timeout_s)
     if cfg.train_batch_size % dist.dp_size or cfg.ppo_mini_batch_size % dist.dp_size:
         raise ValueError(f"train_batch_size={cfg.train_batch_size} and ppo_mini_batch_size={cfg.ppo_mini_batch_size}"

@@ -39,7 +39,8 @@ class Args:
 
 def run(name: str, cmd: list[str], args: Args) -> list[dict]:
     out = os.path.join(args.out_dir, name)  # each round overwrites the last's folder (resume off)
-    flags = [f"--total-steps={args.steps}", f"--eval-every={args.steps}", f"--out-dir={out}", "--resume=off"]
+    flags = [f"--total-steps={args.steps}", f"--eval-every={args.steps}", f"--out-dir={out}", "--resume=off",
+             "--overwrite"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     with open(os.path.join(args.out_dir, f"{name}.log"), "w") as log:
         subprocess.run(cmd + flags, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)

@@ -16,6 +16,8 @@ Test:
 """
 
 import importlib.util
+import math
+import numbers
 import os
 
 import pyarrow.parquet as pq
@@ -88,6 +90,7 @@ class RLDataset:
                 self.items.append(
                     dict(
                         prompt_ids=self._fit(ids, f"{path}, row {row_index}"),
+                        where=f"{path}, row {row_index}",  # named by errors about this prompt (its reward)
                         data_source=row["data_source"],
                         ground_truth=row["reward_model"]["ground_truth"],
                         extra_info=row["extra_info"],
@@ -145,3 +148,22 @@ def load_reward_fn(path: str | None, name: str = "compute_score"):
     if not callable(getattr(module, name, None)):
         raise AttributeError(f"reward function file {path} has no function {name!r}")
     return getattr(module, name)
+
+
+def checked_score(value, reward_fn, row: dict) -> float:
+    """A reward function's answer as a float, or an error naming the function, the data_source, the prompt's file
+    and row, and the value. A dict is read at "score" (verl's reward functions may return {"score": x, ...});
+    a non-numeric or non-finite value stops the run before it trains on it."""
+    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
+    where = f"reward function {name} on data_source {row['data_source']!r} ({row.get('where', 'row ?')})"
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise TypeError(f"{where} returned a dict without a 'score' key: {value!r:.200} (return a float, "
+                            "or a dict with the reward at 'score')")
+        value = value["score"]
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{where} returned {value!r:.100} of type {type(value).__name__}, not a number: "
+                        "return a float (e.g. 1.0 for a correct answer)")
+    if not math.isfinite(value):
+        raise ValueError(f"{where} returned {value}: a reward must be a finite number")
+    return float(value)

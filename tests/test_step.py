@@ -1,10 +1,16 @@
-"""The pieces of ppo.py's step that decide what a step sees: its prompts and its sampling seeds.
+"""What a step sees (its prompts and sampling seeds) and what a run refuses: an out_dir holding another run, bad
+config values and files, rewards that are not finite numbers.
 
     python -m pytest tests/test_step.py -q
 """
 
+from dataclasses import replace
+
+import pytest
+
 from config import Config
-from ppo import prompt_indices, sample_seed
+from data import checked_score
+from ppo import check_out_dir, prompt_indices, sample_seed, train
 
 
 def test_sample_seeds_are_distinct_for_distinct_steps_and_rows():
@@ -25,3 +31,52 @@ def test_prompt_indices_cover_each_epoch_then_reshuffle():
     assert steps[2] + steps[3] != steps[0] + steps[1]  # epoch 2 is a fresh permutation
     assert prompt_indices(3, cfg, 10) == steps[2]  # a step alone decides its rows (a resumed run replays them)
     assert steps[4] != steps[0] and all(0 <= i < 10 for s in steps for i in s)
+
+
+def test_a_previous_run_is_never_overwritten_unasked(tmp_path):
+    """metrics.jsonl of an earlier run without a checkpoint to resume from: refused (naming the folder and how to
+    go on), unless overwrite; a checkpoint to resume from makes it a continuation."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    cfg = Config(out_dir=str(tmp_path))
+    with pytest.raises(FileExistsError, match=f"out_dir={tmp_path} holds a previous run .2 lines.*--overwrite"):
+        check_out_dir(cfg)
+    check_out_dir(replace(cfg, overwrite=True))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_1")
+    check_out_dir(cfg)  # resume auto finds it
+    with pytest.raises(FileExistsError):
+        check_out_dir(replace(cfg, resume="off"))
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n{"step": 1}\n'
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lr=-1e-4), "lr=-0.0001 must be > 0"),
+    (dict(model_path="/no/such/model"), "model_path=/no/such/model: not an HF model folder"),
+    (dict(train_files="/no/such.parquet"), "train_files: no such parquet file /no/such.parquet"),
+    (dict(reward_fn_path="/no/reward.py"), "reward_fn_path=/no/reward.py: no such file"),
+])
+def test_config_names_bad_values_before_anything_starts(kwargs, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        Config(**kwargs)
+
+
+@pytest.mark.parametrize("body, error, message", [
+    ("return float('nan')", ValueError, "returned nan: a reward must be a finite number"),
+    ("return 'correct'", TypeError, "returned 'correct' of type str, not a number"),
+    ("return {'acc': 1.0}", TypeError, "returned a dict without a 'score' key"),
+])
+def test_a_bad_reward_stops_the_run_naming_function_source_and_row(tiny_rl_setup, tmp_path, body, error, message):
+    """The first scores (the step-0 evaluation) already stop the run, before any update or checkpoint."""
+    (tmp_path / "bad.py").write_text(f"def judge(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                     f"    {body}\n")
+    cfg = Config(**{**tiny_rl_setup, "reward_fn_path": str(tmp_path / "bad.py")}, reward_fn_name="judge",
+                 rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=2, max_response_length=4,
+                 total_steps=1, out_dir=str(tmp_path / "out"))
+    with pytest.raises(error, match=rf"reward function judge on data_source 'arith' \(.*val.parquet, row 0\) {message}"):
+        train(cfg)
+    assert not (tmp_path / "out" / "final").exists()
+
+
+def test_a_dict_with_a_score_is_read_as_verl_does():
+    row = {"data_source": "arith", "where": "f.parquet, row 3"}
+    assert checked_score({"score": 1, "acc": True}, len, row) == 1.0 and checked_score(True, len, row) == 1.0
