@@ -172,9 +172,7 @@ def _join(parts: list):
     first = parts[0]
     if isinstance(first, tuple):
         return tuple(_join(list(p)) for p in zip(*parts))
-    if isinstance(first, TensorDict):
-        return torch.cat(parts)
-    if torch.is_tensor(first):
+    if isinstance(first, TensorDict) or torch.is_tensor(first):
         return torch.cat(parts)
     if isinstance(first, dict):
         return combine_metrics(parts, SUM_KEYS)
