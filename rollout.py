@@ -56,16 +56,16 @@ class VLLMRollout:
     process group (vLLM's cleanup), so close() comes after the run's last collective."""
 
     def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0, dtype: str = "float32",
-                 gpu_memory_utilization: float = 0.5):
+                 gpu_memory_utilization: float = 0.5, cpu_kv_cache_bytes: int = CPU_KV_CACHE_BYTES):
         """gpu_memory_utilization: the share of device memory the engine takes on GPU (colocated with the trainer);
-        on CPU the engine takes a KV cache of CPU_KV_CACHE_BYTES instead."""
+        on CPU the engine takes a KV cache of cpu_kv_cache_bytes instead (resident from the start)."""
         # In-process engine: starts in seconds, and its worker (hence its weights) is reachable from here.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
-        memory = (dict(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES) if self.on_cpu
+        memory = (dict(kv_cache_memory_bytes=cpu_kv_cache_bytes) if self.on_cpu
                   else dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True))
         self.llm = LLM(
             model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,

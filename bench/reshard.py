@@ -21,7 +21,12 @@ trainer's weights into the engines:
                 communication alone
 - floor:        one all_gather_into_tensor of the bytes the engine needs (the model in the rollout dtype)
 Per rank: seconds per sync, and peak extra memory during it (the process's peak RSS after a reset, minus its RSS
-before: hybrid_engine.reset_peak_memory / peak_memory). The tables show the slower / larger rank.
+before: hybrid_engine.reset_peak_memory / peak_memory; the heap's free pages are handed back to the OS before each
+call, so that pages kept from an earlier call do not hide new ones). The tables show the slower / larger rank.
+
+Memory: the launcher watches the machine's available memory while the workers run and prints the most they took.
+At 300M fp32 that was 11.3 GB for the two ranks. On a machine other jobs load, the kernel's OOM killer may SIGKILL
+a rank (the largest process): the launcher then says so, with the figures, instead of a bare CalledProcessError.
 """
 
 import json
@@ -30,6 +35,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +48,15 @@ import tyro  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from comm import barrier, broadcast_object, init_distributed  # noqa: E402
-from hybrid_engine import MB, HybridConfig, HybridEngine, peak_memory, reset_peak_memory  # noqa: E402
+from hybrid_engine import MB, HybridConfig, HybridEngine, peak_memory, release_host_memory, reset_peak_memory  # noqa: E402
 from rollout import VLLMRollout  # noqa: E402
 from sharding import DTYPES, export_hf, full_weights, load_sharded_model  # noqa: E402
 
 # name: (hidden, layers, intermediate); head size 64, 4 query heads per KV head
+OOM_MARGIN_MB = 512  # available memory this low while the workers ran, and a rank died: the OOM killer's doing
 SIZES = {"10m": (256, 4, 704), "100m": (768, 12, 2048), "300m": (1024, 24, 2816)}
 VOCAB = 32000
+KV_CACHE_BYTES = 64 * MB  # the engines only score the probe: a small KV cache leaves the machine's memory to the rest
 
 
 @dataclass
@@ -74,6 +82,7 @@ def measure(fn, device, repeats: int) -> dict:
     fn()
     seconds, extra = [], 0
     for _ in range(repeats):
+        release_host_memory()
         at_start = reset_peak_memory(device)
         start = time.perf_counter()
         fn()
@@ -86,7 +95,7 @@ def worker(cfg: BenchConfig) -> None:
     dist = init_distributed()
     model = load_sharded_model(cfg.model_dir, dist)
     dtype = DTYPES[cfg.dtype]
-    rollout = VLLMRollout(cfg.model_dir, max_model_len=64, dtype=cfg.dtype)
+    rollout = VLLMRollout(cfg.model_dir, max_model_len=64, dtype=cfg.dtype, cpu_kv_cache_bytes=KV_CACHE_BYTES)
     optimizer = torch.optim.AdamW(model.parameters())  # no state yet: nothing to offload on CPU anyway
 
     def hybrid_sync(bucket_mb: float):
@@ -106,10 +115,10 @@ def worker(cfg: BenchConfig) -> None:
         barrier(dist)
 
     n = sum(p.numel() for p in model.parameters())  # global sizes (DTensor)
-    shard = torch.randn(math.ceil(n / dist.world_size)).to(dtype)  # what one rank contributes
+    shard = math.ceil(n / dist.world_size)  # what one rank contributes
 
-    def floor():  # the output buffer is allocated inside: it is the floor's extra memory
-        tdist.all_gather_into_tensor(torch.empty(shard.numel() * dist.world_size, dtype=dtype), shard)
+    def floor():  # both buffers are allocated inside: they are the floor's extra memory
+        tdist.all_gather_into_tensor(torch.empty(shard * dist.world_size, dtype=dtype), torch.ones(shard, dtype=dtype))
 
     def gather():
         for bucket in full_weights(model, int(cfg.bucket_mb * MB), dtype):
@@ -135,13 +144,41 @@ def save_model(size: str, root: str) -> str:
     return model_dir
 
 
-def launch(cfg: BenchConfig, model_dir: str, dtype: str) -> list[dict]:
+def available_mb() -> float:
+    """The machine's available memory (MemAvailable: free plus what the kernel can reclaim), in MB."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 1024
+
+
+def launch(cfg: BenchConfig, model_dir: str, dtype: str) -> tuple[list[dict], float]:
+    """The workers' numbers, and the most memory (MB) the machine lost while they ran."""
     out = f"{model_dir}-{dtype}.json"
     flags = [f"--repeats={cfg.repeats}", f"--bucket-mb={cfg.bucket_mb}", f"--model-dir={model_dir}",
              f"--dtype={dtype}", f"--worker-out={out}"]
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                    "--rdzv-endpoint=localhost:0", __file__, *flags], check=True)
-    return json.loads(Path(out).read_text())
+    at_launch = lowest = available_mb()
+    done = threading.Event()
+
+    def watch():  # sampled often enough to see the climb to an OOM kill, which takes seconds
+        nonlocal lowest
+        while not done.wait(0.1):
+            lowest = min(lowest, available_mb())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                         "--rdzv-endpoint=localhost:0", __file__, *flags]).returncode
+    done.set()
+    watcher.join()
+    if rc:
+        what = f"the workers measuring {Path(model_dir).name} with rollout dtype {dtype} failed (torchrun exit {rc})"
+        if lowest < OOM_MARGIN_MB:
+            raise SystemExit(f"bench/reshard.py: {what}: the machine ran out of memory. Available memory fell from "
+                             f"{at_launch:.0f} MB at launch to {lowest:.0f} MB, so the kernel's OOM killer most likely "
+                             "SIGKILLed a rank (torchrun's summary above: exitcode -9). Other processes hold the rest; "
+                             "stop them, or leave the larger sizes out (--sizes 10m 100m).")
+        raise SystemExit(f"bench/reshard.py: {what}, with memory to spare (available memory never fell below "
+                         f"{lowest:.0f} MB): see the rank's traceback and torchrun's summary above.")
+    return json.loads(Path(out).read_text()), at_launch - lowest
 
 
 def main(cfg: BenchConfig) -> None:
@@ -150,17 +187,17 @@ def main(cfg: BenchConfig) -> None:
         for size in cfg.sizes:
             model_dir = save_model(size, root)
             for dtype in cfg.dtypes:
-                ranks = launch(cfg, model_dir, dtype)
+                ranks, took_mb = launch(cfg, model_dir, dtype)
                 worst = {m: {k: max(r[m][k] for r in ranks) for k in ("s", "extra_mb")}
                          for m in ("hybrid", "hybrid/layer", "naive", "gather", "floor")}
-                rows.append((size, dtype, ranks[0]["params"], worst))
+                rows.append((size, dtype, ranks[0]["params"], worst, took_mb))
     print(f"\nWeight sync into vLLM, 2 ranks (gloo), fp32 masters, mean of {cfg.repeats} after a warm-up; the slower / "
           f"larger rank. Extra memory: peak RSS during the sync minus RSS before it.")
-    for size, dtype, params, worst in rows:
+    for size, dtype, params, worst, took_mb in rows:
         model_mb = params * DTYPES[dtype].itemsize / MB
         hybrid = worst["hybrid"]
         print(f"\n{size}, rollout dtype {dtype}: {params / 1e6:.1f}M parameters, {model_mb:.0f} MB in {dtype}; "
-              f"bucket {cfg.bucket_mb:.0f} MB")
+              f"bucket {cfg.bucket_mb:.0f} MB; the 2 ranks took up to {took_mb / 1024:.1f} GB of the machine")
         print(f"{'method':<14} {'s/sync':>8} {'/ hybrid':>9} {'extra MB':>9} {'/ model':>8}")
         for method, m in worst.items():
             print(f"{method:<14} {m['s']:>8.3f} {m['s'] / hybrid['s']:>9.2f} {m['extra_mb']:>9.0f} "
