@@ -141,7 +141,8 @@ class Config:
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     """The weight sync into the rollout engine (hybrid_engine.py): bucket size, offload, verification."""
     dist_timeout_s: int = 1800
-    """Seconds a collective may wait before the run fails (torchrun only)."""
+    """Seconds a collective may wait before the run fails (torchrun and Ray's worker groups). Under torchrun a rank
+    that dies is named by the others within seconds; one that hangs, when this has passed (comm.watch_ranks)."""
     # ---- run ----
     eval_every: int = 25
     """Steps between greedy evaluations (also before the first step and at the end)."""

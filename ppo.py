@@ -32,7 +32,8 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from batching import balance_ranks, flops_workload
-from comm import Dist, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics, shutdown, timer
+from comm import (Dist, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics, shutdown, timer,
+                  watch_ranks)
 from config import Config
 from core_algos import compute_advantages, kl_in_reward, last_token, update_kl_coef
 from data import RLDataset, checked_score, load_reward_fn
@@ -395,11 +396,12 @@ def train(cfg: Config) -> list[dict]:
     if cfg.rollout_backend == "hf" and dist.dp_size > 1:  # sharded generate stops at different steps per rank
         raise ValueError("rollout_backend='hf' runs in one process only; use 'vllm' with torchrun")
     os.makedirs(cfg.out_dir, exist_ok=True)
-    model_path, train_files, val_files = warm_start_and_task_files(cfg, dist)
-    actor = ActorWorker(cfg, model_path, dist)
-    critic = CriticWorker(cfg, cfg.critic_model_path or model_path, dist) if cfg.adv_estimator == "gae" else None
-    records = loop(make_run(cfg, model_path, train_files, val_files, actor, critic, SPMD(dist)))
-    barrier(dist)  # the last collective: closing the engine destroys the default process group (vLLM's cleanup)
+    with watch_ranks(dist):  # another rank's death or hang ends this rank with an error that names it
+        model_path, train_files, val_files = warm_start_and_task_files(cfg, dist)
+        actor = ActorWorker(cfg, model_path, dist)
+        critic = CriticWorker(cfg, cfg.critic_model_path or model_path, dist) if cfg.adv_estimator == "gae" else None
+        records = loop(make_run(cfg, model_path, train_files, val_files, actor, critic, SPMD(dist)))
+        barrier(dist)  # the last collective: closing the engine destroys the default process group (vLLM's cleanup)
     actor.close()
     shutdown(dist)
     return records

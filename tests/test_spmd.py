@@ -6,6 +6,8 @@
 - A run killed after a checkpoint and resumed with resume=auto replays the uninterrupted run: same per-step
   rewards, same final parameters.
 - A checkpoint written by 2 ranks resumes in 1 process.
+- When a rank dies (os._exit) or hangs, the other exits with an error that names it, within dist_timeout_s, and the
+  same command resumes from the latest checkpoint (tests/dist_rank_fault.py injects the fault).
 - PPO with a critic on 2 ranks: values, returns and advantages (whitened over both ranks) of the first step equal
   one process's; its checkpoint resumes in 1 process with the trained critic, and the adaptive KL coefficient
   continues its recursion.
@@ -34,7 +36,7 @@ def args(setup: dict, out_dir, **overrides) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()] + ["--hybrid.verify-sync"]  # every sync proven
 
 
-def launch(argv: list[str], log_path, ranks: int = 1, wait: bool = True, script: str = "grpo.py"):
+def launch(argv: list[str], log_path, ranks: int = 1, wait: bool = True, script: str = "grpo.py", env: dict = {}):
     """Run script (under torchrun when ranks > 1), its output in log_path (a file: a pipe could fill and block)."""
     if ranks == 1:
         cmd = [sys.executable, os.path.join(ROOT, script)]
@@ -46,7 +48,7 @@ def launch(argv: list[str], log_path, ranks: int = 1, wait: bool = True, script:
                f"--master_port={port}", os.path.join(ROOT, script)]
     with open(log_path, "a") as log:
         start = log.tell()
-        proc = subprocess.Popen(cmd + argv, env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+        proc = subprocess.Popen(cmd + argv, env={**ENV, **env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
     if wait:
         proc.wait(timeout=300)
@@ -107,6 +109,37 @@ def test_killed_run_resumes_exactly(tiny_rl_setup, tmp_path):
     wa, wb = final_weights(whole), final_weights(broken)
     for name in wa:
         assert (wa[name] - wb[name]).abs().max() <= 1e-6, name
+
+
+def run_with_fault(argv: list[str], log_path, fault: str, timeout_s: int) -> str:
+    """Launch 2 ranks with NANOVERL_FAULT, wait for the fault, then for the run to end within timeout_s; the log."""
+    proc = launch(argv, log_path, ranks=2, wait=False, script="tests/dist_rank_fault.py", env={"NANOVERL_FAULT": fault})
+    deadline = time.time() + 300
+    while "[fault injection]" not in open(log_path).read() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert "[fault injection]" in open(log_path).read(), open(log_path).read()[-3000:]
+    proc.wait(timeout=timeout_s)  # TimeoutExpired: a rank hung on past dist_timeout_s
+    assert proc.returncode != 0
+    return open(log_path).read()
+
+
+def test_dead_rank_is_named_and_the_same_command_resumes(tiny_rl_setup, tmp_path):
+    argv = args(tiny_rl_setup, tmp_path / "out", total_steps=3, ckpt_every=1, dist_timeout_s=60)
+    log = run_with_fault(argv, tmp_path / "fault.log", "1:2:exit", timeout_s=60)
+    assert "RankFailure: rank 0 stops: rank 1 died" in log, log[-3000:]
+    assert "Run the same command again to resume" in log
+    launch(argv, tmp_path / "resume.log", ranks=2, script="tests/dist_rank_fault.py")  # no fault this time
+    resumed = open(tmp_path / "resume.log").read()
+    assert "resumed from" in resumed and "step_1" in resumed, resumed[-3000:]
+    assert [r["step"] for r in records(tmp_path / "out")] == [0, 1, 2, 3]
+
+
+def test_stuck_rank_is_named_after_dist_timeout(tiny_rl_setup, tmp_path):
+    timeout = 30
+    argv = args(tiny_rl_setup, tmp_path / "out", total_steps=2, dist_timeout_s=timeout)
+    log = run_with_fault(argv, tmp_path / "fault.log", "1:2:hang", timeout_s=timeout + 60)
+    assert "RankFailure: rank 0 stops: rank 1 is alive but did not take part" in log, log[-3000:]
+    assert "Timed out" in log  # gloo's error, after dist_timeout_s
 
 
 def test_ppo_two_ranks_match_one_process_and_resume_in_one(tiny_rl_setup, tmp_path):
