@@ -45,6 +45,8 @@ class Config:
     """Sampling temperature; the trainer divides logits by it too, so log-probs agree."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
+    ignore_eos: bool = False
+    """Sample every response to max_response_length, past EOS: fixed-length work, for benchmarks (bench/step.py)."""
     gpu_memory_utilization: float = 0.5
     """GPU: the share of device memory the vLLM engine takes (weights + KV cache), colocated with the trainer, whose
     state it gets back in train mode. CPU: unused (the engine takes a 1 GiB KV cache)."""
@@ -78,6 +80,12 @@ class Config:
     """Truncated importance sampling (Yao et al. 2025): weight each token's policy-gradient loss by
     min(exp(old_log_prob - rollout_log_prob), tis_cap), correcting for the engine sampling from slightly other
     probabilities than the trainer computes (other kernels, dtype); None: off. verl's runs use 2."""
+    old_log_probs: Literal["recompute", "rollout", "update"] = "recompute"
+    """Where the PPO ratio's old log-probs come from. recompute: a no-grad pass of the policy before the update
+    (verl's default). rollout: the engine's own, no pass (verl's bypass; the engine-trainer gap, ~1e-5 in fp32,
+    is still measured every step, on the update's first mini-batch). update: the first mini-batch's own forward,
+    detached: exact, and valid only when the update is one optimizer step on the weights that sampled (ppo_epochs
+    1, ppo_mini_batch_size = train_batch_size) and nothing needs them before it (use_kl_in_reward)."""
     use_kl_in_reward: bool = False
     """Subtract kl_coef * the per-token KL(policy || reference) from the token rewards (Ziegler et al. 2019)."""
     kl_penalty: KLKind = "k1"
@@ -113,7 +121,8 @@ class Config:
     """Prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per epoch."""
     ppo_micro_batch_size: int = 64
     """Sequences per forward/backward pass (gradient accumulation), actor and critic; also the log-prob and
-    value passes' size."""
+    value passes' size. On CPU keep a micro-batch near 2k tokens: at 25M parameters 16 x 137 tokens updated 1.4x
+    faster than 64 x 137, whose large temporaries glibc maps afresh at every call (bench/step.py)."""
     use_dynamic_bsz: bool = False
     """Micro-batches by token budget (ppo_max_token_len_per_gpu) instead of ppo_micro_batch_size sequences;
     the same gradient, less padding (batching.py)."""
@@ -137,7 +146,7 @@ class Config:
     """RL steps."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 sharding of actor, reference and critic over the data-parallel ranks (torchrun); in one process only
-    param_dtype applies (the dtype of the rollout engine and of the weights streamed into it)."""
+    param_dtype applies (the compute dtype, through torch.autocast; also the rollout engine's dtype)."""
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     """The weight sync into the rollout engine (hybrid_engine.py): bucket size, offload, verification."""
     dist_timeout_s: int = 1800
@@ -186,6 +195,7 @@ class Config:
             raise ValueError(f"log_prob_max_token_len_per_gpu={self.log_prob_max_token_len_per_gpu} must be >= 1")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (None: off)")
+        self._check_old_log_probs()
         if self.hybrid.offload_params and self.fsdp.cpu_offload:
             raise ValueError("hybrid.offload_params=True with fsdp.cpu_offload=True: the parameters already live in "
                              "CPU memory")
@@ -215,6 +225,21 @@ class Config:
         self._check_paths()
         if self.adv_estimator == "rloo" and self.rollout_n < 2:
             raise ValueError(f"rollout_n={self.rollout_n}: rloo's leave-one-out baseline needs >= 2 samples a prompt")
+
+    def _check_old_log_probs(self) -> None:
+        if self.old_log_probs == "rollout" and self.tis_cap is not None:
+            raise ValueError("tis_cap corrects the gap between the engine's and the trainer's log-probs, which "
+                             "old_log_probs='rollout' takes as zero: use 'recompute' or 'update'")
+        if self.old_log_probs == "update":
+            wrong = [f"ppo_epochs={self.ppo_epochs} must be 1"] if self.ppo_epochs != 1 else []
+            if self.ppo_mini_batch_size != self.train_batch_size:
+                wrong.append(f"ppo_mini_batch_size={self.ppo_mini_batch_size} must equal "
+                             f"train_batch_size={self.train_batch_size}")
+            if self.use_kl_in_reward:
+                wrong.append("use_kl_in_reward must be off (it needs them before the update)")
+            if wrong:
+                raise ValueError(f"old_log_probs='update' takes them from one optimizer step on the sampling weights: "
+                                 f"{'; '.join(wrong)}; or use 'recompute' / 'rollout'")
 
     def _check_paths(self) -> None:
         """Named files and folders must exist: found out here, before any model or engine starts."""

@@ -149,7 +149,9 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
 
         # ==================== 3. old (and reference) log-probs, values ====================
         # independent passes: a controller whose actor and critic live on separate devices runs them at once
-        passes = {"old_log_probs": ("old_log_prob", actor.log_probs)}  # batch key: (timer name, method)
+        passes = {}  # batch key: (timer name, method)
+        if cfg.old_log_probs == "recompute":  # else the engine's, or the update's own first forward (Config)
+            passes["old_log_probs"] = ("old_log_prob", actor.log_probs)
         if cfg.use_reference:
             passes["ref_log_probs"] = ("ref", actor.ref_log_probs)
         if critic:
@@ -216,8 +218,11 @@ def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
     mask = batch["response_mask"]
     real = mask.bool()  # [B, R]
     lengths = mask.sum(-1)  # [B]
-    gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask  # [B, R]
     out = stats("critic/score", batch["scores"])  # [B]: one per response
+    if "old_log_probs" in batch.keys():  # recomputed (else the actor's update measures the gap)
+        gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask  # [B, R]
+        out["rollout/logprob_diff_max"] = gap.max().item()
+        out["rollout/logprob_diff_mean"] = (gap.sum() / mask.sum().clamp(min=1)).item()
     for name in ("advantages", "returns", "values"):  # [B, R]: over the real tokens
         if name in batch.keys():
             out.update(stats(f"critic/{name}", batch[name][real]))
@@ -230,8 +235,6 @@ def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
         "response_length/max": lengths.max().item(),
         "response_length/clip_ratio": (lengths >= max_response_length).float().mean().item(),
         "prompt_length/mean": (batch["attention_mask"].sum(-1) - lengths).float().mean().item(),
-        "rollout/logprob_diff_max": gap.max().item(),
-        "rollout/logprob_diff_mean": (gap.sum() / mask.sum().clamp(min=1)).item(),
     }
 
 

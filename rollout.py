@@ -83,8 +83,9 @@ class VLLMRollout:
         self._warned_sleep = False
 
     def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float,
-                 top_p: float = 1.0, seeds: list[int] | None = None) -> RolloutOutput:
-        """temperature 0 is greedy. seeds: one per prompt, so the same seeds replay the same samples.
+                 top_p: float = 1.0, seeds: list[int] | None = None, ignore_eos: bool = False) -> RolloutOutput:
+        """temperature 0 is greedy. seeds: one per prompt, so the same seeds replay the same samples. ignore_eos:
+        every response runs to max_tokens.
         vLLM draws sample k of a request seeded s with seed s + k (vllm/v1/engine/parallel_sampling.py): with
         consecutive seeds, prompt i's sample 1 would share prompt i+1's sample 0 random stream (identical
         draws where the two distributions agree). Requesting seed s * n makes (s, k) -> s * n + k one-to-one."""
@@ -92,7 +93,7 @@ class VLLMRollout:
 
         # One SamplingParams per prompt so each carries its own seed; EOS comes from the model's configs.
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                 seed=None if seeds is None else seeds[i] * n, detokenize=False)
+                                 seed=None if seeds is None else seeds[i] * n, detokenize=False, ignore_eos=ignore_eos)
                   for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         responses, log_probs = [], []
@@ -203,8 +204,9 @@ class HFRollout:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float,
-                 top_p: float = 1.0, seeds: list[int] | None = None) -> RolloutOutput:
-        """temperature 0 is greedy. seeds: the whole call is seeded once from seeds[0] (one batched generate),
+                 top_p: float = 1.0, seeds: list[int] | None = None, ignore_eos: bool = False) -> RolloutOutput:
+        """temperature 0 is greedy; ignore_eos: every response runs to max_tokens (min_new_tokens, which masks EOS).
+        seeds: the whole call is seeded once from seeds[0] (one batched generate),
         so the same call replays; unlike vLLM, a prompt's samples also depend on the rest of the batch.
         The global RNG is restored afterwards, so the trainer's random stream is untouched."""
         ids, mask = self.left_pad(prompts)
@@ -217,6 +219,7 @@ class HFRollout:
                 torch.manual_seed(seeds[0])
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, **sampling,
+                min_new_tokens=max_tokens if ignore_eos else 0,
                 eos_token_id=self.eos_ids, pad_token_id=self.pad_id, num_return_sequences=n,
                 output_scores=True, return_dict_in_generate=True,
             )

@@ -56,8 +56,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class FSDPConfig:
     param_dtype: str = "float32"
-    """dtype that forward/backward compute in (MixedPrecisionPolicy casts the gathered parameters); masters keep
-    the load dtype."""
+    """dtype that forward/backward compute in (MixedPrecisionPolicy casts the gathered parameters; in one process,
+    without FSDP, torch.autocast); masters keep the load dtype."""
     reduce_dtype: str = "float32"
     """dtype of the gradient reduce-scatter; fp32 with bf16 params keeps gradient sums accurate."""
     reshard_after_forward: bool = True
@@ -124,6 +124,8 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
     config = config or AutoConfig.from_pretrained(model_path)
     if dist.mesh is None:
         model = model_class.from_pretrained(model_path, config=config, dtype=torch.float32).to(dist.device)
+        if cfg.param_dtype != "float32":  # what FSDP's MixedPrecisionPolicy does under torchrun
+            model.forward = torch.autocast(dist.device.type, dtype=DTYPES[cfg.param_dtype])(model.forward)
         return _set_trainable(model, trainable)
     if dist.rank == 0:
         model = model_class.from_pretrained(model_path, config=config, dtype=torch.float32)

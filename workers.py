@@ -140,8 +140,8 @@ class Worker:
         Collectives: per mini-batch, the token and sequence counts (reduce_metrics), the micro-batch count
         (use_dynamic_bsz), FSDP2's gathers and gradient reduce-scatters, and the global grad norm."""
         cfg, per_step = self.cfg, []
-        for _ in range(cfg.ppo_epochs):
-            for mb in batch.split(cfg.ppo_mini_batch_size // self.dist.dp_size * cfg.rollout_n):  # this rank's share
+        for epoch in range(cfg.ppo_epochs):
+            for i, mb in enumerate(batch.split(cfg.ppo_mini_batch_size // self.dist.dp_size * cfg.rollout_n)):
                 # Every micro-batch divides by the mini-batch's counts, so the summed gradients are the
                 # mini-batch's gradient; loss metrics add up the same way, token ratios are weighted by token share.
                 # Counts over all dp ranks, times dp_size to undo FSDP's gradient averaging: every rank's
@@ -154,11 +154,12 @@ class Worker:
                 step = {f"{self.role}/num_micro_batches": len(parts)}
                 for part in parts:
                     micro = mb[torch.tensor(part)]
-                    loss, metrics = self.micro_batch_loss(micro, counts)
+                    loss, metrics = self.micro_batch_loss(micro, counts, fresh=epoch == 0 and i == 0)
                     loss.backward()
                     share = (micro["response_mask"].sum() / mb["response_mask"].sum().clamp(min=1)).item()
                     for k, v in metrics.items():
-                        step[k] = step.get(k, 0.0) + (v if k in LOSS_METRICS else v * share)
+                        step[k] = (max(step.get(k, v), v) if k.endswith("_max") else
+                                   step.get(k, 0.0) + (v if k in LOSS_METRICS else v * share))
                 grad_norm = clip_grad_norm(self.model, cfg.grad_clip)  # across shards
                 if math.isfinite(grad_norm):  # a NaN/inf gradient would poison the weights: skip the step
                     self.opt.step()
@@ -166,7 +167,8 @@ class Worker:
                 step[f"{self.role}/grad_norm"] = grad_norm
                 step[f"{self.role}/skipped_steps"] = float(not math.isfinite(grad_norm))
                 per_step.append(step)
-        out = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
+        keys = dict.fromkeys(k for s in per_step for k in s)  # some only on the first mini-batch (fresh)
+        out = {k: sum(s[k] for s in per_step if k in s) / sum(k in s for s in per_step) for k in keys}
         out[f"{self.role}/skipped_steps"] *= len(per_step)  # a count, not a mean
         out[f"{self.role}/lr"] = self.opt.param_groups[0]["lr"]
         seqlens = batch["attention_mask"].sum(-1)  # [B]
@@ -225,7 +227,7 @@ class ActorWorker(Worker):
         with self.hybrid.rollout_mode(metrics), timer("gen", metrics):  # leaving it: the engine sleeps
             out = self.rollout.generate(prompts, n=n, max_tokens=self.cfg.max_response_length,
                                         temperature=0.0 if greedy else self.cfg.temperature,
-                                        top_p=self.cfg.top_p, seeds=seeds)
+                                        top_p=self.cfg.top_p, seeds=seeds, ignore_eos=self.cfg.ignore_eos and not greedy)
         widths = reduce_metrics({"P/max": max(map(len, prompts)), "R/max": max(1, max(map(len, out.responses)))},
                                 self.dist)
         repeated = [p for p in prompts for _ in range(n)]
@@ -252,18 +254,27 @@ class ActorWorker(Worker):
         return map_micro_batches(lambda mb: response_log_probs(model, mb, self.cfg.temperature,
                                                                remove_padding=self.remove_padding)[0], batch, parts)
 
-    def micro_batch_loss(self, micro: TensorDict, counts: dict) -> tuple[torch.Tensor, dict]:
-        """Policy loss - entropy bonus (+ KL loss) of one micro-batch, scaled by its mini-batch's counts."""
+    def micro_batch_loss(self, micro: TensorDict, counts: dict, fresh: bool) -> tuple[torch.Tensor, dict]:
+        """Policy loss - entropy bonus (+ KL loss) of one micro-batch, scaled by its mini-batch's counts.
+        fresh: no optimizer step yet in this update, so logp is the sampling policy's (Config.old_log_probs)."""
         cfg, mask = self.cfg, micro["response_mask"]
         logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True,
                                            remove_padding=self.remove_padding,
                                            entropy_grad=cfg.entropy_coeff != 0)  # [b, R] each
+        mode = cfg.old_log_probs
+        old = (micro["old_log_probs"] if mode == "recompute" else micro["rollout_log_probs"] if mode == "rollout"
+               else logp.detach())  # [b, R]
+        gap = {}
+        if fresh and cfg.old_log_probs != "recompute":  # the engine-trainer gap, which the recomputing pass reports
+            diff = (micro["rollout_log_probs"] - logp.detach()).abs() * mask  # [b, R]
+            gap = {"rollout/logprob_diff_max": diff.max().item(),
+                   "rollout/logprob_diff_mean": (diff.sum() / mask.sum().clamp(min=1)).item()}
         tis, tis_metrics = None, {}
         if cfg.tis_cap is not None:
-            tis, tis_metrics = tis_weights(micro["old_log_probs"], micro["rollout_log_probs"], mask, cfg.tis_cap)
-        pg_loss, metrics = policy_loss(logp, micro["old_log_probs"], micro["advantages"], mask, cfg.clip_ratio_low,
+            tis, tis_metrics = tis_weights(old, micro["rollout_log_probs"], mask, cfg.tis_cap)
+        pg_loss, metrics = policy_loss(logp, old, micro["advantages"], mask, cfg.clip_ratio_low,
                                        cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, tis, **counts)
-        metrics.update(tis_metrics)
+        metrics.update(tis_metrics, **gap)
         ent = agg_loss(entropy, mask, cfg.loss_agg_mode, **counts)
         loss = pg_loss - cfg.entropy_coeff * ent if cfg.entropy_coeff else pg_loss  # the bonus raises the entropy
         metrics.update({"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item()})
@@ -301,7 +312,7 @@ class CriticWorker(Worker):
         parts = self.micro_batch_parts(batch, self.cfg.log_prob_max_token_len_per_gpu)
         return map_micro_batches(lambda mb: response_values(self.model, mb, self.remove_padding), batch, parts)
 
-    def micro_batch_loss(self, micro: TensorDict, counts: dict) -> tuple[torch.Tensor, dict]:
+    def micro_batch_loss(self, micro: TensorDict, counts: dict, fresh: bool) -> tuple[torch.Tensor, dict]:
         """The clipped value loss of one micro-batch against the returns, scaled by its mini-batch's counts."""
         values = response_values(self.model, micro, self.remove_padding)  # [b, R]
         loss, metrics = value_loss(values, micro["values"], micro["returns"], micro["response_mask"],

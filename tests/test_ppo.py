@@ -3,6 +3,7 @@
     python -m pytest tests/test_ppo.py -q
 """
 
+import math
 from dataclasses import replace
 from typing import get_args
 
@@ -115,6 +116,65 @@ def test_tis_weights_reach_the_update(model_path):
     assert max((tis[k] - results["raw"][k]).abs().max().item() for k in tis) > 1e-4, "TIS changed nothing"
     with pytest.raises(ValueError, match="tis_cap"):
         Config(tis_cap=0.0)
+
+
+def test_old_log_probs_from_the_update_or_the_engine_match_the_recomputed(model_path):
+    """One optimizer step on the sampling weights: old log-probs from the update's own first forward (update) give
+    the recomputing pass's update exactly; the engine's (rollout) give it within what the engine-trainer gap
+    allows, and the update reports that gap as the recomputing pass measures it."""
+    base = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+                  max_response_length=6, lr=1e-2, clip_ratio_low=10.0, clip_ratio_high=10.0)  # no clipping: ratios
+    runs = {}
+    for mode in ("recompute", "update", "rollout"):
+        worker = ActorWorker(replace(base, old_log_probs=mode), model_path, init_distributed())
+        batch = make_batch(worker)  # the same samples every time (seeded), recomputed old log-probs included
+        gap = ((batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * batch["response_mask"]).max().item()
+        if mode != "recompute":
+            del batch["old_log_probs"]
+        runs[mode] = worker.update(batch), params(worker), gap
+    (m_ref, p_ref, gap), (m_upd, p_upd, _), (m_roll, p_roll, _) = runs["recompute"], runs["update"], runs["rollout"]
+    for k in p_ref:
+        torch.testing.assert_close(p_upd[k], p_ref[k], atol=1e-6, rtol=0)
+    assert m_upd["actor/pg_loss"] == pytest.approx(m_ref["actor/pg_loss"], abs=1e-6)
+    # pg_loss = -mean(A * ratio): a log-ratio off by at most gap moves it by at most max|A| * (e^gap - 1)
+    bound = batch["advantages"].abs().max().item() * math.expm1(gap) + 1e-6
+    assert abs(m_roll["actor/pg_loss"] - m_ref["actor/pg_loss"]) <= bound
+    for m in (m_upd, m_roll):  # measured on the update's first forward, the same gap as the recomputing pass's
+        assert m["rollout/logprob_diff_max"] == pytest.approx(gap, abs=1e-6)
+    assert "rollout/logprob_diff_max" not in m_ref  # there batch_metrics reports it
+    with pytest.raises(ValueError, match="ppo_epochs=2 must be 1"):
+        replace(base, old_log_probs="update", ppo_epochs=2)
+    with pytest.raises(ValueError, match="ppo_mini_batch_size=2 must equal train_batch_size=4"):
+        replace(base, old_log_probs="update", ppo_mini_batch_size=2)
+    with pytest.raises(ValueError, match="tis_cap"):
+        replace(base, old_log_probs="rollout", tis_cap=2.0)
+
+
+def test_one_process_computes_in_param_dtype(model_path):
+    """Without FSDP, fsdp.param_dtype=bfloat16 still sets the compute dtype (autocast): the log-probs move by a
+    bf16 rounding, not more; the masters and their update stay fp32."""
+    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+                 max_response_length=6)
+    fp32 = ActorWorker(cfg, model_path, init_distributed())
+    batch = make_batch(fp32)
+    cfg.fsdp.param_dtype = "bfloat16"
+    bf16 = ActorWorker(cfg, model_path, init_distributed())
+    with torch.no_grad():
+        logits = bf16.model(input_ids=batch["input_ids"][:1]).logits
+    assert logits.dtype == torch.bfloat16
+    gap = (bf16.log_probs(batch) - batch["old_log_probs"]).abs().max().item()
+    assert 1e-4 < gap < 0.1, gap
+    bf16.update(batch)
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+
+
+def test_ignore_eos_samples_full_length(model_path):
+    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, max_response_length=6, ignore_eos=True)
+    worker = ActorWorker(cfg, model_path, init_distributed())
+    batch, _ = worker.generate([[5, 6, 7], [8, 9]], seeds=[0, 1])
+    assert (batch["response_mask"].sum(-1) == 6).all()
+    greedy, _ = worker.generate([[5, 6, 7]], seeds=None, greedy=True)  # evaluation still stops at EOS
+    assert greedy["response_mask"].shape[0] == 1
 
 
 @pytest.fixture(scope="module")
