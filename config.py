@@ -111,6 +111,15 @@ class Config:
     # ---- optimisation ----
     lr: float = 2e-4
     """Actor AdamW learning rate."""
+    lr_warmup_steps: int = -1
+    """Updates over which the learning rates (actor and critic) rise linearly to lr; -1: lr_warmup_steps_ratio of
+    total_steps. One update is one RL step's update of that model (verl's lr_warmup_steps)."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warmup as a share of total_steps, used when lr_warmup_steps is -1."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant, or cosine decay to min_lr_ratio * lr at total_steps (verl's warmup_style)."""
+    min_lr_ratio: float = 0.0
+    """The cosine schedule's floor, as a share of lr."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -220,6 +229,9 @@ class Config:
         if self.adv_estimator in ("grpo", "rloo") and self.use_kl_in_reward:
             raise ValueError(f"use_kl_in_reward: adv_estimator={self.adv_estimator!r} scores whole responses, not "
                              "tokens; use use_kl_loss")
+        if self.lr_warmup_steps < -1 or not 0 <= self.lr_warmup_steps_ratio <= 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} must be >= -1, lr_warmup_steps_ratio="
+                             f"{self.lr_warmup_steps_ratio} and min_lr_ratio={self.min_lr_ratio} in [0, 1]")
         if self.weight_decay < 0 or self.kl_loss_coef < 0:
             raise ValueError(f"weight_decay={self.weight_decay} and kl_loss_coef={self.kl_loss_coef} must be >= 0")
         self._check_paths()

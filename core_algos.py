@@ -29,8 +29,13 @@ AllSum = Callable[[torch.Tensor], torch.Tensor] | None  # sums a tensor over the
 # ---------------------------------------------------------------------------------------------------
 
 
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x where mask is set, 0 elsewhere: a NaN or inf at a masked position cannot leak (x * mask would give NaN)."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    return masked(x, mask).sum() / mask.sum().clamp(min=1)
 
 
 def agg_loss(loss_mat, mask, mode: AggMode, n_tokens=None, n_seqs=None, norm_len=None) -> torch.Tensor:
@@ -38,12 +43,14 @@ def agg_loss(loss_mat, mask, mode: AggMode, n_tokens=None, n_seqs=None, norm_len
 
     n_tokens / n_seqs are the counts of the whole mini-batch: when a mini-batch is split into
     micro-batches, each micro-batch divides by the mini-batch's counts, so the summed gradients equal
-    the mini-batch's gradient in every mode. norm_len is Dr.GRPO's constant length (default R).
+    the mini-batch's gradient in every mode. A sequence counts when it has a response token (a fully masked
+    one, e.g. a truncated response with its loss masked, weighs nothing). norm_len is Dr.GRPO's constant length
+    (default R). Masked positions never count, even holding a NaN or inf.
     """
     n_tokens = mask.sum() if n_tokens is None else n_tokens
-    n_seqs = mask.shape[0] if n_seqs is None else n_seqs
+    n_seqs = (mask.sum(-1) > 0).sum() if n_seqs is None else n_seqs
     norm_len = mask.shape[-1] if norm_len is None else norm_len
-    token_sum = (loss_mat * mask).sum(-1)  # [B]
+    token_sum = masked(loss_mat, mask).sum(-1)  # [B]
     if mode == "token-mean":  # every token weighs the same (DAPO)
         return token_sum.sum() / n_tokens
     if mode == "seq-mean-token-sum":  # every sequence's summed loss weighs the same
@@ -61,6 +68,8 @@ def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, clip_c, agg_mode
     logp, old_logp, adv, mask: [B, R]. Clip-higher (DAPO) uses clip_high > clip_low. tis: per-token weights
     [B, R] (tis_weights) multiplying the token losses, or None.
     """
+    # the data at masked positions is zeroed first: a NaN there would reach the gradient (NaN * 0 is NaN)
+    old_logp, adv = masked(old_logp, mask), masked(adv, mask)  # [B, R] each
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)  # [B, R], clamped so exp cannot overflow
     ratio = log_ratio.exp()  # [B, R]
     loss_unclipped = -adv * ratio  # [B, R]
@@ -83,8 +92,8 @@ def tis_weights(old_logp, rollout_logp, mask, cap: float) -> tuple[torch.Tensor,
     """Truncated importance sampling (Yao et al. 2025): per-token weights [B, R] = min(pi_old / pi_rollout, cap), no
     gradient. The engine samples from slightly other probabilities than the trainer's (other kernels, dtype): this
     reweights its samples toward the trainer's old policy, truncated so that rare tokens cannot blow up the loss."""
-    ratio = (old_logp - rollout_logp).clamp(max=20.0).exp()  # [B, R], clamped so exp cannot overflow
-    weights = ratio.clamp(max=cap).detach()  # [B, R]
+    ratio = masked(old_logp - rollout_logp, mask).clamp(max=20.0).exp()  # [B, R], clamped so exp cannot overflow
+    weights = masked(ratio.clamp(max=cap), mask).detach()  # [B, R], 0 at padding
     return weights, {"actor/tis_weight_mean": masked_mean(weights, mask).item(),
                      "actor/tis_clipfrac": masked_mean((ratio > cap).float(), mask).item()}
 
@@ -95,12 +104,24 @@ def value_loss(values, old_values, returns, mask, clip, agg_mode, **agg_kw):
     values, old_values (at rollout), returns G, mask: [B, R]. V_clip stays within clip of the old value, so one
     batch cannot drag a value far (value clipping of OpenAI baselines' PPO2; Engstrom et al. 2020 study it).
     """
+    old_values, returns = masked(old_values, mask), masked(returns, mask)  # as in policy_loss
     clipped = old_values + (values - old_values).clamp(-clip, clip)  # [B, R]
     loss_unclipped, loss_clipped = (values - returns).square(), (clipped - returns).square()  # [B, R] each
     loss_mat = 0.5 * torch.maximum(loss_unclipped, loss_clipped)  # [B, R]
     metrics = {"critic/vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
                "critic/vpred_mean": masked_mean(values, mask).item()}
     return agg_loss(loss_mat, mask, agg_mode, **agg_kw), metrics
+
+
+def lr_factor(update: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """The learning rate of update number `update` (0-based) as a share of the configured one: linear warmup over
+    `warmup` updates, then constant or cosine from 1 down to min_ratio at update `total` (verl's schedules)."""
+    if update < warmup:
+        return (update + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (update - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torch.Tensor:

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokeni
 from batching import map_micro_batches, micro_batches, pack, packing_works, unpack
 from comm import Dist, reduce_metrics, timer
 from config import Config
-from core_algos import agg_loss, entropy_from_logits, kl_penalty, policy_loss, tis_weights, value_loss
+from core_algos import agg_loss, entropy_from_logits, kl_penalty, lr_factor, policy_loss, tis_weights, value_loss
 from hybrid_engine import HybridEngine
 from rollout import make_rollout
 from sharding import DTYPES, clip_grad_norm, export_hf, load_sharded, load_sharded_model, save_sharded
@@ -121,6 +121,7 @@ class Worker:
     def __init__(self, cfg: Config, dist: Dist, model: torch.nn.Module, tokenizer, lr: float):
         self.cfg, self.dist, self.model, self.tokenizer, self.lr = cfg, dist, model, tokenizer, lr
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        self.updates = 0  # update() calls so far: the learning-rate schedule's position (saved in checkpoints)
         self.remove_padding = cfg.use_remove_padding and packing_works(model)
         if cfg.use_remove_padding and not self.remove_padding and dist.is_main:
             print(f"use_remove_padding: the {model.config._attn_implementation} attention lets packed sequences "
@@ -140,13 +141,19 @@ class Worker:
         Collectives: per mini-batch, the token and sequence counts (reduce_metrics), the micro-batch count
         (use_dynamic_bsz), FSDP2's gathers and gradient reduce-scatters, and the global grad norm."""
         cfg, per_step = self.cfg, []
+        warmup = cfg.lr_warmup_steps if cfg.lr_warmup_steps >= 0 else int(cfg.lr_warmup_steps_ratio * cfg.total_steps)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr * lr_factor(self.updates, cfg.total_steps, warmup, cfg.lr_scheduler,
+                                              cfg.min_lr_ratio)
+        self.updates += 1
         for epoch in range(cfg.ppo_epochs):
             for i, mb in enumerate(batch.split(cfg.ppo_mini_batch_size // self.dist.dp_size * cfg.rollout_n)):
                 # Every micro-batch divides by the mini-batch's counts, so the summed gradients are the
                 # mini-batch's gradient; loss metrics add up the same way, token ratios are weighted by token share.
                 # Counts over all dp ranks, times dp_size to undo FSDP's gradient averaging: every rank's
                 # loss is its part of the global mini-batch's loss, whatever its token count.
-                total = reduce_metrics({"tokens": mb["response_mask"].sum().item(), "seqs": mb.batch_size[0]},
+                seqs = (mb["response_mask"].sum(-1) > 0).sum().item()  # a fully masked response weighs nothing
+                total = reduce_metrics({"tokens": mb["response_mask"].sum().item(), "seqs": seqs},
                                        self.dist, sum_keys=("tokens", "seqs"))
                 counts = dict(n_tokens=total["tokens"] / self.dist.dp_size, n_seqs=total["seqs"] / self.dist.dp_size,
                               norm_len=cfg.max_response_length)
@@ -178,16 +185,16 @@ class Worker:
 
     def save_checkpoint(self, path: str) -> None:
         """Model and optimizer shards (DCP) and this rank's RNG states into the folder `path`. Collective (DCP)."""
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "updates": self.updates}
         save_sharded(path, self.model, self.opt, rng, self.dist)
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore what save_checkpoint wrote (any world size); the learning rate stays this run's. Collective."""
+        """Restore what save_checkpoint wrote (any world size), and the schedule's position: the next update's
+        learning rate is this run's lr times the schedule's factor there. Collective."""
         rng = load_sharded(path, self.model, self.opt, self.dist)
-        for group in self.opt.param_groups:
-            group["lr"] = self.lr
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
+        self.updates = rng["updates"]
 
     def export(self, out_dir: str) -> None:
         """The full model and its tokenizer as a plain HF folder (rank 0 writes). Collective (the full weights)."""

@@ -16,7 +16,7 @@ import torch
 
 from config import Config
 from core_algos import (AggMode, agg_loss, compute_advantages, entropy_from_logits, gae, gae_advantages,
-                        group_advantages, grpo_advantages, kl_in_reward, kl_penalty, last_token, masked_mean,
+                        group_advantages, grpo_advantages, kl_in_reward, kl_penalty, last_token, lr_factor, masked_mean,
                         masked_whiten, policy_loss, reinforce_pp_advantages, rloo_advantages, tis_weights,
                         update_kl_coef, value_loss)
 from hybrid_engine import HybridConfig
@@ -52,6 +52,28 @@ HAND = {
 def test_masked_mean_ignores_padding_and_empty_mask_is_zero():
     assert masked_mean(LOSS, MASK).item() == approx(45 / 9)
     assert masked_mean(LOSS, torch.zeros_like(MASK)).item() == 0.0  # clamp(min=1): no 0/0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_or_inf_at_a_masked_position_never_counts(mode, bad):
+    """In the loss and in its gradient: the mask selects, it does not multiply (NaN * 0 is NaN)."""
+    poisoned = LOSS.clone()
+    poisoned[MASK == 0] = bad
+    x = poisoned.clone().requires_grad_()
+    loss = agg_loss(x, MASK, mode)
+    loss.backward()
+    assert loss.item() == approx(HAND[mode])
+    assert torch.isfinite(x.grad).all() and (x.grad[MASK == 0] == 0).all()
+    assert masked_mean(poisoned, MASK).item() == approx(45 / 9)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_seq_mean_modes_skip_sequences_without_response_tokens(mode):
+    """A fourth, fully masked row (e.g. a truncated response whose loss is masked) changes no mode's value."""
+    loss = torch.cat([LOSS, torch.full((1, 4), 50.0, dtype=torch.float64)])
+    mask = torch.cat([MASK, torch.zeros(1, 4, dtype=torch.float64)])
+    assert agg_loss(loss, mask, mode).item() == approx(HAND[mode])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -154,6 +176,22 @@ def test_policy_loss_padding_never_counts():
     assert other[1] == pytest.approx(base[1])
 
 
+def test_policy_loss_nan_data_at_padding_reaches_neither_loss_nor_gradient():
+    logp, old, adv, mask = _batch(PL_ROWS, PL_OLD)
+    grads = []
+    for poison in (False, True):
+        o, a = old.clone(), adv.clone()
+        if poison:
+            o[mask == 0], a[mask == 0] = float("nan"), float("inf")
+        lp = logp.clone().requires_grad_()
+        loss, metrics = policy_loss(lp, o, a, mask, CLIP_LOW, CLIP_HIGH, CLIP_C, "token-mean")
+        loss.backward()
+        assert loss.item() == approx(4.32 / 6) and all(math.isfinite(v) for v in metrics.values())
+        grads.append(lp.grad)
+    assert torch.isfinite(grads[1]).all()
+    torch.testing.assert_close(grads[1], grads[0])
+
+
 @pytest.mark.parametrize("adv, ratio, expected, clipped", [
     (+1.0, 1.5, -1.28, True),   # positive advantage: ratio capped at 1 + clip_high
     (-1.0, 0.5, 0.8, True),     # negative advantage: ratio floored at 1 - clip_low
@@ -211,6 +249,15 @@ def test_policy_loss_dual_clip_only_for_negative_advantages():
 TIS_OLD = torch.tensor([[-1.0, -0.5, -2.0, -0.1]], dtype=torch.float64)
 TIS_ROLLOUT = TIS_OLD - torch.tensor([[math.log(0.5), math.log(3.0), 0.0, math.log(10.0)]], dtype=torch.float64)
 TIS_MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+
+
+def test_tis_weights_are_zero_at_padding():
+    old = torch.tensor([[-1.0, float("nan")], [-2.0, -0.5]])
+    rollout = torch.tensor([[-1.5, 0.0], [-2.0, 30.0]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    weights, metrics = tis_weights(old, rollout, mask, cap=2.0)
+    assert weights.tolist() == [[approx(math.exp(0.5)), 0.0], [1.0, 0.0]]
+    assert metrics["actor/tis_clipfrac"] == 0.0
 
 
 def test_tis_weights_by_hand():
@@ -591,3 +638,16 @@ def test_rloo_leave_one_out_baseline_by_hand():
 def test_config_rejects_bad_combinations_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         Config(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# learning-rate schedules
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_lr_factor_warmup_then_constant_or_cosine_by_hand():
+    assert [lr_factor(u, 14, 4, "constant", 0.0) for u in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cosine = [lr_factor(u, 14, 4, "cosine", 0.1) for u in (3, 4, 9, 14, 20)]
+    # after warmup: 0.1 + 0.9 * (1 + cos(pi * (u - 4) / 10)) / 2
+    assert cosine == [approx(1.0), approx(1.0), approx(0.55), approx(0.1), approx(0.1)]
+    assert lr_factor(0, 10, 0, "cosine", 0.0) == 1.0  # no warmup: the first update runs at lr

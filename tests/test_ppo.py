@@ -168,6 +168,26 @@ def test_one_process_computes_in_param_dtype(model_path):
     assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
 
 
+def test_lr_schedule_resumes_where_it_stopped(model_path, tmp_path):
+    """Warmup then cosine over 4 updates: 2 updates, a checkpoint, a new worker that loads it and makes 2 more
+    runs at the uninterrupted worker's learning rates, and ends with its weights."""
+    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+                 max_response_length=6, total_steps=4, lr_warmup_steps=2, lr_scheduler="cosine", min_lr_ratio=0.1)
+    whole = ActorWorker(cfg, model_path, init_distributed())
+    batch = make_batch(whole)
+    lrs = [whole.update(batch.clone())["actor/lr"] for _ in range(4)]
+    assert lrs == [pytest.approx(cfg.lr * f) for f in (0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5)]  # the floor at update 4
+    first = ActorWorker(cfg, model_path, init_distributed())
+    resumed = [first.update(batch.clone())["actor/lr"] for _ in range(2)]
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    second = ActorWorker(cfg, model_path, init_distributed())
+    second.load_checkpoint(str(tmp_path / "ckpt"))
+    resumed += [second.update(batch.clone())["actor/lr"] for _ in range(2)]
+    assert resumed == lrs
+    for k, v in params(whole).items():
+        torch.testing.assert_close(params(second)[k], v, atol=1e-6, rtol=0)
+
+
 def test_ignore_eos_samples_full_length(model_path):
     cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, max_response_length=6, ignore_eos=True)
     worker = ActorWorker(cfg, model_path, init_distributed())
