@@ -13,6 +13,7 @@ from typing import Literal
 from core_algos import AdvEstimator, AggMode, KLKind
 from hybrid_engine import HybridConfig
 from sharding import FSDPConfig
+from tracking import Backend
 
 
 @dataclass
@@ -162,6 +163,13 @@ class Config:
     """Seconds a collective may wait before the run fails (torchrun and Ray's worker groups). Under torchrun a rank
     that dies is named by the others within seconds; one that hangs, when this has passed (comm.watch_ranks)."""
     # ---- run ----
+    logger: tuple[Backend, ...] = ()
+    """Where metrics go besides metrics.jsonl and curves.png (always written): console (a line a step),
+    tensorboard (out_dir/tensorboard), wandb (offline in out_dir/wandb unless WANDB_API_KEY is set)."""
+    project_name: str = "nanoverl"
+    """wandb's project."""
+    experiment_name: str | None = None
+    """wandb's run name; None: the out_dir's last folder name."""
     eval_every: int = 25
     """Steps between greedy evaluations (also before the first step and at the end)."""
     out_dir: str = "out/ppo"

@@ -39,6 +39,7 @@ from core_algos import compute_advantages, kl_in_reward, last_token, update_kl_c
 from data import RLDataset, checked_score, load_reward_fn
 from fileio import write_atomic
 from sharding import begin_checkpoint, commit_checkpoint, find_latest
+from tracking import Tracking
 from workers import ActorWorker, CriticWorker
 
 SUM_KEYS = ("actor/over_budget_seqs", "critic/over_budget_seqs")  # counts: summed over ranks, not averaged
@@ -338,19 +339,22 @@ def loop(run: Run) -> list[dict]:
     the final export and curves.png; returns the records (what rank 0 logs)."""
     cfg, ctl = run.cfg, run.ctl
     start, records, kl_coef = resume(run)
-    log = None
+    log = tracker = None
     if ctl.is_main:  # only the main process writes files
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)
         path = os.path.join(cfg.out_dir, "metrics.jsonl")  # the checkpoint's records, then one line a step
         write_atomic(path, lambda tmp: Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in records)))
         log = open(path, "a")
+        tracker = Tracking(cfg.logger, cfg.out_dir, cfg.project_name,
+                           cfg.experiment_name or os.path.basename(os.path.normpath(cfg.out_dir)), asdict(cfg))
 
     def emit(record: dict):
         records.append(record)
         if log:
             log.write(json.dumps(record) + "\n")
             log.flush()
+            tracker.log(record, record["step"])
 
     if start == 1:
         emit({"step": 0, "prompt/num_truncated": run.num_truncated, **evaluate(run)})
@@ -372,6 +376,7 @@ def loop(run: Run) -> list[dict]:
     if ctl.is_main:
         plot_curves(records, os.path.join(cfg.out_dir, "curves.png"))
         log.close()
+        tracker.close()
         print(f"held-out greedy accuracy: {records[0]['val/accuracy']:.3f} -> {records[-1]['val/accuracy']:.3f}; "
               f"outputs in {cfg.out_dir}")
     return records

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from conftest import assert_reward_rises
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hybrid_engine import HybridConfig
 from config import Config
@@ -24,7 +25,7 @@ from ppo import train
 def run(tiny_rl_setup, tmp_path_factory):
     cfg = Config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6, lr=3e-3,
                  total_steps=16, eval_every=8, out_dir=str(tmp_path_factory.mktemp("grpo") / "out"), adv_estimator="grpo",
-                 hybrid=HybridConfig(verify_sync=True))  # every sync proven (raises otherwise)
+                 hybrid=HybridConfig(verify_sync=True), logger=("tensorboard",))  # every sync proven (raises otherwise)
     return cfg, train(cfg)
 
 
@@ -49,6 +50,10 @@ def test_run_outputs(run):
     assert max(r["rollout/logprob_diff_max"] for r in lines[1:]) < 1e-3
     assert os.path.getsize(os.path.join(cfg.out_dir, "curves.png")) > 1000
     assert os.path.exists(os.path.join(cfg.out_dir, "final", "model.safetensors"))
+    events = EventAccumulator(os.path.join(cfg.out_dir, "tensorboard"))  # --logger tensorboard: every step's rows
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("critic/score/mean")] == \
+        [(r["step"], pytest.approx(r["critic/score/mean"])) for r in lines[1:]]
 
 
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus"])
