@@ -81,6 +81,23 @@ class Config:
     """Truncated importance sampling (Yao et al. 2025): weight each token's policy-gradient loss by
     min(exp(old_log_prob - rollout_log_prob), tis_cap), correcting for the engine sampling from slightly other
     probabilities than the trainer computes (other kernels, dtype); None: off. verl's runs use 2."""
+    tis_level: Literal["token", "sequence"] = "token"
+    """tis_cap's weights: per token, or one a response (the product of its token ratios, truncated at tis_cap)."""
+    rollout_mask: Literal["token", "sequence"] | None = None
+    """Rollout correction by masking, on the ratio pi_old / pi_rollout: token drops each token whose ratio leaves
+    [rollout_mask_low, rollout_mask_high] from the policy loss (IcePop); sequence drops whole responses whose
+    geometric-mean ratio leaves it (rejection); None: off. Needs old_log_probs recompute (before the update)."""
+    rollout_mask_low: float = 0.5
+    """rollout_mask's lower ratio bound (< 1)."""
+    rollout_mask_high: float = 2.0
+    """rollout_mask's upper ratio bound (> 1)."""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong punishment: a response longer than max_response_length - overlong_buffer_len tokens loses
+    reward linearly, up to overlong_penalty_factor at max_response_length; 0: off."""
+    overlong_penalty_factor: float = 1.0
+    """The overlong punishment at max_response_length."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: a response cut at max_response_length (no EOS) gets no policy loss."""
     old_log_probs: Literal["recompute", "rollout", "update"] = "recompute"
     """Where the PPO ratio's old log-probs come from. recompute: a no-grad pass of the policy before the update
     (verl's default). rollout: the engine's own, no pass (verl's bypass; the engine-trainer gap, ~1e-5 in fp32,
@@ -213,6 +230,7 @@ class Config:
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (None: off)")
         self._check_old_log_probs()
+        self._check_dapo_and_rollout_correction()
         if self.hybrid.offload_params and self.fsdp.cpu_offload:
             raise ValueError("hybrid.offload_params=True with fsdp.cpu_offload=True: the parameters already live in "
                              "CPU memory")
@@ -245,6 +263,18 @@ class Config:
         self._check_paths()
         if self.adv_estimator == "rloo" and self.rollout_n < 2:
             raise ValueError(f"rollout_n={self.rollout_n}: rloo's leave-one-out baseline needs >= 2 samples a prompt")
+
+    def _check_dapo_and_rollout_correction(self) -> None:
+        if self.rollout_mask and self.old_log_probs != "recompute":
+            raise ValueError(f"rollout_mask={self.rollout_mask!r} compares the old log-probs with the engine's before "
+                             f"the update: it needs old_log_probs='recompute', not {self.old_log_probs!r}")
+        if not 0 < self.rollout_mask_low < 1 < self.rollout_mask_high:
+            raise ValueError(f"rollout_mask_low={self.rollout_mask_low} must be in (0, 1) and rollout_mask_high="
+                             f"{self.rollout_mask_high} above 1")
+        if not 0 <= self.overlong_buffer_len <= self.max_response_length or self.overlong_penalty_factor < 0:
+            raise ValueError(f"overlong_buffer_len={self.overlong_buffer_len} must be in [0, max_response_length="
+                             f"{self.max_response_length}] and overlong_penalty_factor={self.overlong_penalty_factor} "
+                             ">= 0")
 
     def _check_old_log_probs(self) -> None:
         if self.old_log_probs == "rollout" and self.tis_cap is not None:

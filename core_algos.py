@@ -19,7 +19,7 @@ from typing import Callable, Literal
 
 import torch
 
-AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3", "low_var_kl", "mse"]
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 AllSum = Callable[[torch.Tensor], torch.Tensor] | None  # sums a tensor over the data shards; None: one holds all
@@ -38,14 +38,16 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked(x, mask).sum() / mask.sum().clamp(min=1)
 
 
-def agg_loss(loss_mat, mask, mode: AggMode, n_tokens=None, n_seqs=None, norm_len=None) -> torch.Tensor:
+def agg_loss(loss_mat, mask, mode: AggMode, n_tokens=None, n_seqs=None, norm_len=None, dp_size=1) -> torch.Tensor:
     """Reduce token losses [B, R] to a scalar.
 
     n_tokens / n_seqs are the counts of the whole mini-batch: when a mini-batch is split into
     micro-batches, each micro-batch divides by the mini-batch's counts, so the summed gradients equal
     the mini-batch's gradient in every mode. A sequence counts when it has a response token (a fully masked
     one, e.g. a truncated response with its loss masked, weighs nothing). norm_len is Dr.GRPO's constant length
-    (default R). Masked positions never count, even holding a NaN or inf.
+    (default R). Masked positions never count, even holding a NaN or inf. token-sum (DAPO's variant without a
+    normaliser) sums the tokens of the whole mini-batch: each of dp_size ranks returns its sum times dp_size, which
+    FSDP's gradient averaging turns back into the sum over all ranks.
     """
     n_tokens = mask.sum() if n_tokens is None else n_tokens
     n_seqs = (mask.sum(-1) > 0).sum() if n_seqs is None else n_seqs
@@ -53,6 +55,8 @@ def agg_loss(loss_mat, mask, mode: AggMode, n_tokens=None, n_seqs=None, norm_len
     token_sum = masked(loss_mat, mask).sum(-1)  # [B]
     if mode == "token-mean":  # every token weighs the same (DAPO)
         return token_sum.sum() / n_tokens
+    if mode == "token-sum":  # every token weighs the same, and longer batches weigh more
+        return token_sum.sum() * dp_size
     if mode == "seq-mean-token-sum":  # every sequence's summed loss weighs the same
         return token_sum.sum() / n_seqs
     if mode == "seq-mean-token-mean":  # every sequence weighs the same (original GRPO)
@@ -88,14 +92,41 @@ def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, clip_c, agg_mode
     return agg_loss(loss_mat, mask, agg_mode, **agg_kw), metrics
 
 
-def tis_weights(old_logp, rollout_logp, mask, cap: float) -> tuple[torch.Tensor, dict]:
+def tis_weights(old_logp, rollout_logp, mask, cap: float, level: str = "token") -> tuple[torch.Tensor, dict]:
     """Truncated importance sampling (Yao et al. 2025): per-token weights [B, R] = min(pi_old / pi_rollout, cap), no
     gradient. The engine samples from slightly other probabilities than the trainer's (other kernels, dtype): this
-    reweights its samples toward the trainer's old policy, truncated so that rare tokens cannot blow up the loss."""
-    ratio = masked(old_logp - rollout_logp, mask).clamp(max=20.0).exp()  # [B, R], clamped so exp cannot overflow
+    reweights its samples toward the trainer's old policy, truncated so that rare tokens cannot blow up the loss.
+    level "sequence": one weight a response, min(prod over its tokens of pi_old / pi_rollout, cap), on each token."""
+    log_ratio = masked(old_logp - rollout_logp, mask)  # [B, R]
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)  # [B, R]: the response's log-ratio
+    ratio = log_ratio.clamp(max=20.0).exp()  # [B, R], clamped so exp cannot overflow
     weights = masked(ratio.clamp(max=cap), mask).detach()  # [B, R], 0 at padding
     return weights, {"actor/tis_weight_mean": masked_mean(weights, mask).item(),
                      "actor/tis_clipfrac": masked_mean((ratio > cap).float(), mask).item()}
+
+
+def rollout_mask(old_logp, rollout_logp, mask, level: str, low: float, high: float) -> tuple[torch.Tensor, dict]:
+    """The response mask [B, R] without what the engine sampled too far from the trainer's old policy: level "token"
+    drops each token whose ratio pi_old / pi_rollout leaves [low, high] (IcePop); "sequence" drops whole responses
+    whose geometric-mean ratio leaves it (rejection sampling). Returns (mask, the shares of tokens and responses
+    dropped among the real ones)."""
+    log_ratio = masked(old_logp - rollout_logp, mask)  # [B, R]
+    if level == "sequence":
+        per_seq = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # [B]: log of the geometric-mean ratio
+        log_ratio = per_seq.unsqueeze(-1).expand_as(log_ratio)  # [B, R]
+    keep = (log_ratio >= math.log(low)) & (log_ratio <= math.log(high))  # [B, R]
+    kept = mask * keep  # [B, R]
+    real = mask.sum(-1) > 0  # [B]
+    dropped_seqs = (real & (kept.sum(-1) < mask.sum(-1))).float().sum() / real.sum().clamp(min=1)
+    return kept, {"rollout_corr/masked_tokens": (1 - kept.sum() / mask.sum().clamp(min=1)).item(),
+                  "rollout_corr/masked_seqs": dropped_seqs.item()}
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment [B] of response lengths [B]: 0 up to max_len - buffer_len tokens, then falling
+    linearly to -factor at max_len."""
+    return -((lengths - (max_len - buffer_len)).clamp(min=0) / buffer_len * factor).clamp(max=factor)
 
 
 def value_loss(values, old_values, returns, mask, clip, agg_mode, **agg_kw):

@@ -35,7 +35,7 @@ from batching import balance_ranks, flops_workload
 from comm import (Dist, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics, shutdown, timer,
                   watch_ranks)
 from config import Config
-from core_algos import compute_advantages, kl_in_reward, last_token, update_kl_coef
+from core_algos import compute_advantages, kl_in_reward, last_token, overlong_penalty, rollout_mask, update_kl_coef
 from data import RLDataset, checked_score, load_reward_fn
 from fileio import write_atomic
 from sharding import begin_checkpoint, commit_checkpoint, find_latest
@@ -136,6 +136,11 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
         with timer("reward", metrics):
             batch["scores"] = score(batch, [run.train_ds[i] for i in batch["index"].tolist()], run.tokenizer,
                                     run.reward_fn)  # [B]
+            if cfg.overlong_buffer_len:  # DAPO: long responses lose reward softly before the hard limit
+                penalty = overlong_penalty(batch["response_mask"].sum(-1), cfg.max_response_length,
+                                           cfg.overlong_buffer_len, cfg.overlong_penalty_factor)  # [B]
+                batch["scores"] = batch["scores"] + penalty
+                metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
 
         # ==================== 2b. balance the dp ranks' work (batching.py) ====================
         # Whole prompt groups move, before the log-prob passes: all three passes (old, ref, update) get even
@@ -176,6 +181,11 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
                 values=batch.get("values"), gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std=cfg.norm_adv_by_std,
                 all_sum=ctl.all_sum)  # [B, R] each
 
+        # ==================== 4b. the policy loss's tokens: rollout correction, overlong filtering ====================
+        if cfg.rollout_mask or cfg.mask_truncated:
+            batch["loss_mask"], mask_metrics = policy_loss_mask(batch, cfg, run.tokenizer.eos_token_id)  # [B, R]
+            metrics.update(mask_metrics)
+
         # ==================== 5. update the critic and the actor (after critic_warmup) ====================
         updates = {"critic": ("update_critic", critic.update)} if critic else {}
         if step > cfg.critic_warmup:
@@ -191,6 +201,22 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
 # ---------------------------------------------------------------------------------------------------
 # Rewards, evaluation, metrics
 # ---------------------------------------------------------------------------------------------------
+
+
+def policy_loss_mask(batch: TensorDict, cfg: Config, eos_id: int) -> tuple[torch.Tensor, dict]:
+    """The response tokens [B, R] the policy loss counts: without those rollout correction rejects
+    (core_algos.rollout_mask) and, with mask_truncated, without responses cut at max_response_length (no EOS)."""
+    mask, metrics = batch["response_mask"], {}
+    if cfg.rollout_mask:
+        mask, metrics = rollout_mask(batch["old_log_probs"], batch["rollout_log_probs"], mask, cfg.rollout_mask,
+                                     cfg.rollout_mask_low, cfg.rollout_mask_high)
+    if cfg.mask_truncated:
+        lengths = batch["response_mask"].sum(-1).long()  # [B]
+        last = batch["responses"].gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)  # [B]
+        truncated = (lengths >= cfg.max_response_length) & (last != eos_id)  # [B]
+        mask = mask * (~truncated).unsqueeze(-1)  # [B, R]
+        metrics["response_length/truncated_masked"] = truncated.float().mean().item()
+    return mask, metrics
 
 
 def score(batch: TensorDict, rows: list[dict], tokenizer, reward_fn) -> torch.Tensor:

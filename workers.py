@@ -152,18 +152,19 @@ class Worker:
                 # mini-batch's gradient; loss metrics add up the same way, token ratios are weighted by token share.
                 # Counts over all dp ranks, times dp_size to undo FSDP's gradient averaging: every rank's
                 # loss is its part of the global mini-batch's loss, whatever its token count.
-                seqs = (mb["response_mask"].sum(-1) > 0).sum().item()  # a fully masked response weighs nothing
-                total = reduce_metrics({"tokens": mb["response_mask"].sum().item(), "seqs": seqs},
-                                       self.dist, sum_keys=("tokens", "seqs"))
+                mask = self.loss_mask(mb)  # [b, R]
+                seqs = (mask.sum(-1) > 0).sum().item()  # a fully masked response weighs nothing
+                total = reduce_metrics({"tokens": mask.sum().item(), "seqs": seqs}, self.dist,
+                                       sum_keys=("tokens", "seqs"))
                 counts = dict(n_tokens=total["tokens"] / self.dist.dp_size, n_seqs=total["seqs"] / self.dist.dp_size,
-                              norm_len=cfg.max_response_length)
+                              norm_len=cfg.max_response_length, dp_size=self.dist.dp_size)
                 parts = self.micro_batch_parts(mb, cfg.ppo_max_token_len_per_gpu)  # the same count on every rank
                 step = {f"{self.role}/num_micro_batches": len(parts)}
                 for part in parts:
                     micro = mb[torch.tensor(part)]
                     loss, metrics = self.micro_batch_loss(micro, counts, fresh=epoch == 0 and i == 0)
                     loss.backward()
-                    share = (micro["response_mask"].sum() / mb["response_mask"].sum().clamp(min=1)).item()
+                    share = (self.loss_mask(micro).sum() / mask.sum().clamp(min=1)).item()
                     for k, v in metrics.items():
                         step[k] = (max(step.get(k, v), v) if k.endswith("_max") else
                                    step.get(k, 0.0) + (v if k in LOSS_METRICS else v * share))
@@ -182,6 +183,10 @@ class Worker:
         over = float((seqlens > cfg.ppo_max_token_len_per_gpu).sum()) if cfg.use_dynamic_bsz else 0.0
         out[f"{self.role}/over_budget_seqs"] = over
         return out
+
+    def loss_mask(self, batch: TensorDict) -> torch.Tensor:
+        """The tokens [B, R] the loss counts: every response token (the actor's may drop some, see ActorWorker)."""
+        return batch["response_mask"]
 
     def save_checkpoint(self, path: str) -> None:
         """Model and optimizer shards (DCP) and this rank's RNG states into the folder `path`. Collective (DCP)."""
@@ -264,7 +269,7 @@ class ActorWorker(Worker):
     def micro_batch_loss(self, micro: TensorDict, counts: dict, fresh: bool) -> tuple[torch.Tensor, dict]:
         """Policy loss - entropy bonus (+ KL loss) of one micro-batch, scaled by its mini-batch's counts.
         fresh: no optimizer step yet in this update, so logp is the sampling policy's (Config.old_log_probs)."""
-        cfg, mask = self.cfg, micro["response_mask"]
+        cfg, mask = self.cfg, self.loss_mask(micro)
         logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True,
                                            remove_padding=self.remove_padding,
                                            entropy_grad=cfg.entropy_coeff != 0)  # [b, R] each
@@ -273,12 +278,13 @@ class ActorWorker(Worker):
                else logp.detach())  # [b, R]
         gap = {}
         if fresh and cfg.old_log_probs != "recompute":  # the engine-trainer gap, which the recomputing pass reports
-            diff = (micro["rollout_log_probs"] - logp.detach()).abs() * mask  # [b, R]
+            real = micro["response_mask"]
+            diff = (micro["rollout_log_probs"] - logp.detach()).abs() * real  # [b, R]
             gap = {"rollout/logprob_diff_max": diff.max().item(),
-                   "rollout/logprob_diff_mean": (diff.sum() / mask.sum().clamp(min=1)).item()}
+                   "rollout/logprob_diff_mean": (diff.sum() / real.sum().clamp(min=1)).item()}
         tis, tis_metrics = None, {}
         if cfg.tis_cap is not None:
-            tis, tis_metrics = tis_weights(old, micro["rollout_log_probs"], mask, cfg.tis_cap)
+            tis, tis_metrics = tis_weights(old, micro["rollout_log_probs"], mask, cfg.tis_cap, cfg.tis_level)
         pg_loss, metrics = policy_loss(logp, old, micro["advantages"], mask, cfg.clip_ratio_low,
                                        cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, tis, **counts)
         metrics.update(tis_metrics, **gap)
@@ -290,6 +296,11 @@ class ActorWorker(Worker):
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.item()
         return loss, metrics
+
+    def loss_mask(self, batch: TensorDict) -> torch.Tensor:
+        """The policy loss's tokens [B, R]: the step's loss_mask (rollout correction, overlong filtering: ppo.rl_step)
+        where it set one, else every response token."""
+        return batch["loss_mask"] if "loss_mask" in batch.keys() else batch["response_mask"]
 
     def close(self) -> None:
         """Shut the rollout engine down. Call it after the run's last collective: vLLM's cleanup destroys the default

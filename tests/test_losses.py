@@ -17,6 +17,7 @@ import torch
 from config import Config
 from core_algos import (AggMode, agg_loss, compute_advantages, entropy_from_logits, gae, gae_advantages,
                         group_advantages, grpo_advantages, kl_in_reward, kl_penalty, last_token, lr_factor, masked_mean,
+                        overlong_penalty, rollout_mask,
                         masked_whiten, policy_loss, reinforce_pp_advantages, rloo_advantages, tis_weights,
                         update_kl_coef, value_loss)
 from hybrid_engine import HybridConfig
@@ -43,6 +44,7 @@ MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0],
 # Row sums 6, 9, 30 (total 45); 9 tokens; 3 sequences; R = 4.
 HAND = {
     "token-mean": 45 / 9,  # 5.0
+    "token-sum": 45.0,
     "seq-mean-token-sum": 45 / 3,  # 15.0
     "seq-mean-token-mean": (6 / 3 + 9 / 2 + 30 / 4) / 3,  # (2 + 4.5 + 7.5) / 3 = 14/3
     "seq-mean-token-sum-norm": 45 / (3 * 4),  # norm_len defaults to R = 4 -> 3.75
@@ -651,3 +653,50 @@ def test_lr_factor_warmup_then_constant_or_cosine_by_hand():
     # after warmup: 0.1 + 0.9 * (1 + cos(pi * (u - 4) / 10)) / 2
     assert cosine == [approx(1.0), approx(1.0), approx(0.55), approx(0.1), approx(0.1)]
     assert lr_factor(0, 10, 0, "cosine", 0.0) == 1.0  # no warmup: the first update runs at lr
+
+
+# ---------------------------------------------------------------------------------------------------
+# DAPO and rollout correction
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_token_sum_is_the_mini_batch_sum_times_the_ranks():
+    assert agg_loss(LOSS, MASK, "token-sum").item() == 45.0
+    assert agg_loss(LOSS, MASK, "token-sum", dp_size=2).item() == 90.0  # FSDP halves it back
+
+
+def test_overlong_penalty_by_hand():
+    lengths = torch.tensor([5.0, 6.0, 7.0, 8.0, 10.0])  # max 10, buffer 4: free up to 6 tokens
+    assert overlong_penalty(lengths, 10, 4, 1.0).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalty(lengths, 10, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
+
+
+# log-ratios old - rollout: row 0 has one token far out (ln 3 > ln 2); row 1 is mildly off everywhere (geometric
+# mean e^-0.8 < 0.5); row 2 is close; the last column is padding holding a wild value
+RC_MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+RC_LOG_RATIO = torch.tensor([[0.1, math.log(3.0), 0.0, 50.0], [-0.6, -1.0, 9.0, 9.0], [0.2, -0.2, 0.1, -50.0]])
+
+
+def test_rollout_mask_token_level_drops_single_tokens():
+    kept, metrics = rollout_mask(RC_LOG_RATIO, torch.zeros(3, 4), RC_MASK, "token", 0.5, 2.0)
+    # dropped: row 0's ln 3 token, row 1's -1.0 token (e^-1 < 0.5); -0.6 stays (e^-0.6 = 0.55)
+    assert kept.tolist() == [[1, 0, 1, 0], [1, 0, 0, 0], [1, 1, 1, 0]]
+    assert metrics["rollout_corr/masked_tokens"] == approx(2 / 8)
+    assert metrics["rollout_corr/masked_seqs"] == approx(2 / 3)
+
+
+def test_rollout_mask_sequence_level_rejects_whole_responses():
+    kept, metrics = rollout_mask(RC_LOG_RATIO, torch.zeros(3, 4), RC_MASK, "sequence", 0.5, 2.0)
+    # geometric means: row 0 e^(ln3 + 0.1)/3 = e^0.40 (kept), row 1 e^-0.8 (rejected), row 2 e^0.033 (kept)
+    assert kept.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 0]]
+    assert metrics["rollout_corr/masked_seqs"] == approx(1 / 3)
+    assert metrics["rollout_corr/masked_tokens"] == approx(2 / 8)
+
+
+def test_tis_weights_sequence_level_by_hand():
+    weights, _ = tis_weights(RC_LOG_RATIO, torch.zeros(3, 4), RC_MASK, cap=2.0, level="sequence")
+    # one weight a response: min(exp(sum of its log-ratios), 2), 0 at padding
+    expected = [min(math.exp(0.1 + math.log(3.0)), 2.0), math.exp(-1.6), math.exp(0.1)]
+    for b, w in enumerate(expected):
+        assert weights[b, : int(RC_MASK[b].sum())].tolist() == [approx(w)] * int(RC_MASK[b].sum())
+    assert (weights[RC_MASK == 0] == 0).all()

@@ -9,11 +9,13 @@ from typing import get_args
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from comm import init_distributed
 from config import Config
 from core_algos import AggMode, grpo_advantages
 from hybrid_engine import HybridConfig
+from ppo import policy_loss_mask
 from sft import SFTConfig, build_tiny_qwen2
 from workers import ActorWorker, CriticWorker
 
@@ -186,6 +188,32 @@ def test_lr_schedule_resumes_where_it_stopped(model_path, tmp_path):
     assert resumed == lrs
     for k, v in params(whole).items():
         torch.testing.assert_close(params(second)[k], v, atol=1e-6, rtol=0)
+
+
+def test_loss_mask_drops_responses_from_the_update(model_path):
+    """A loss_mask that drops the first prompt's responses updates the actor exactly as the batch without them."""
+    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+                 max_response_length=6, lr=1e-2)
+    masked, dropped = (ActorWorker(cfg, model_path, init_distributed()) for _ in range(2))
+    batch = make_batch(masked)
+    keep = torch.arange(batch.batch_size[0]) >= cfg.rollout_n  # [B]
+    masked.update(batch.clone().set("loss_mask", batch["response_mask"] * keep.unsqueeze(-1)))
+    dropped.update(batch[keep].clone())
+    for k, v in params(dropped).items():
+        torch.testing.assert_close(params(masked)[k], v, atol=1e-6, rtol=1e-5)
+
+
+def test_policy_loss_mask_drops_truncated_responses(byte_tokenizer):
+    """mask_truncated: a response that hit max_response_length without EOS gets no loss; one ending on EOS keeps it."""
+    eos = byte_tokenizer.eos_token_id
+    responses = torch.tensor([[5, 6, 7, 8], [5, 6, 7, eos], [5, 6, 0, 0]])
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])
+    batch = TensorDict(responses=responses, response_mask=mask, batch_size=[3])
+    loss_mask, metrics = policy_loss_mask(batch, Config(max_response_length=4, mask_truncated=True), eos)
+    assert loss_mask.tolist() == [[0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
+    assert metrics["response_length/truncated_masked"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="rollout_mask='token' .* needs old_log_probs='recompute'"):
+        Config(rollout_mask="token", old_log_probs="rollout")
 
 
 def test_ignore_eos_samples_full_length(model_path):
