@@ -96,6 +96,12 @@ class Config:
     reward linearly, up to overlong_penalty_factor at max_response_length; 0: off."""
     overlong_penalty_factor: float = 1.0
     """The overlong punishment at max_response_length."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop prompt groups whose rewards are all equal (no gradient) and sample more prompts,
+    in rounds, until the step holds train_batch_size informative groups (or max_gen_rounds ran: then dropped
+    groups fill the rest, counted in dynamic/filled_groups)."""
+    max_gen_rounds: int = 4
+    """dynamic_sampling: generation rounds a step may take at most."""
     mask_truncated: bool = False
     """DAPO's overlong filtering: a response cut at max_response_length (no EOS) gets no policy loss."""
     old_log_probs: Literal["recompute", "rollout", "update"] = "recompute"
@@ -203,7 +209,8 @@ class Config:
 
     def __post_init__(self):
         for name in ("rollout_n", "train_batch_size", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs",
-                     "total_steps", "eval_every", "val_size", "max_prompt_length", "max_response_length"):
+                     "total_steps", "eval_every", "val_size", "max_prompt_length", "max_response_length",
+                     "max_gen_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.train_batch_size % self.ppo_mini_batch_size:

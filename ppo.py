@@ -40,9 +40,10 @@ from data import RLDataset, checked_score, load_reward_fn
 from fileio import write_atomic
 from sharding import begin_checkpoint, commit_checkpoint, find_latest
 from tracking import Tracking
-from workers import ActorWorker, CriticWorker
+from workers import ActorWorker, CriticWorker, pad_batch
 
-SUM_KEYS = ("actor/over_budget_seqs", "critic/over_budget_seqs")  # counts: summed over ranks, not averaged
+SUM_KEYS = ("actor/over_budget_seqs", "critic/over_budget_seqs", "dynamic/kept_groups", "dynamic/dropped_groups",
+            "dynamic/filled_groups")  # counts: summed over ranks, not averaged
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -125,22 +126,8 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
     cfg, actor, critic, ctl = run.cfg, run.actor, run.critic, run.ctl
     metrics = {"step": step}
     with timer("step", metrics):
-        # ==================== 1. rollout: the actor syncs its weights into vLLM, samples n per prompt ==========
-        seeds = [sample_seed(cfg.seed, step, r["index"]) for r in rows]
-        batch, gen_metrics = actor.generate([r["prompt_ids"] for r in rows], seeds)  # enters and leaves rollout mode
-        metrics.update(gen_metrics)
-        # each response's dataset row travels with it: whatever moves the rows, they are looked up by this
-        batch["index"] = torch.tensor([r["index"] for r in rows]).repeat_interleave(cfg.rollout_n)  # [B]
-
-        # ==================== 2. reward: the task's verifier ====================
-        with timer("reward", metrics):
-            batch["scores"] = score(batch, [run.train_ds[i] for i in batch["index"].tolist()], run.tokenizer,
-                                    run.reward_fn)  # [B]
-            if cfg.overlong_buffer_len:  # DAPO: long responses lose reward softly before the hard limit
-                penalty = overlong_penalty(batch["response_mask"].sum(-1), cfg.max_response_length,
-                                           cfg.overlong_buffer_len, cfg.overlong_penalty_factor)  # [B]
-                batch["scores"] = batch["scores"] + penalty
-                metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
+        # ==================== 1-2. rollout and reward: vLLM samples n per prompt, the task's verifier scores =====
+        batch = rollout_and_score(step, rows, run, metrics)  # with dynamic_sampling: informative groups only
 
         # ==================== 2b. balance the dp ranks' work (batching.py) ====================
         # Whole prompt groups move, before the log-prob passes: all three passes (old, ref, update) get even
@@ -201,6 +188,72 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
 # ---------------------------------------------------------------------------------------------------
 # Rewards, evaluation, metrics
 # ---------------------------------------------------------------------------------------------------
+
+
+def generate_and_score(step: int, rows: list[dict], run: Run, metrics: dict, seed_offset: int = 0) -> TensorDict:
+    """n responses per row (the actor enters and leaves rollout mode), each scored by the task's verifier, with
+    DAPO's overlong shaping when configured: the batch with "index" (each response's dataset row) and "scores"."""
+    cfg = run.cfg
+    seeds = [sample_seed(cfg.seed, step, r["index"] + seed_offset) for r in rows]
+    batch, gen_metrics = run.actor.generate([r["prompt_ids"] for r in rows], seeds)
+    for k, v in gen_metrics.items():  # summed over dynamic sampling's rounds
+        metrics[k] = metrics.get(k, 0.0) + v if k.startswith("timing_s/") else v
+    # each response's dataset row travels with it: whatever moves the rows, they are looked up by this
+    batch["index"] = torch.tensor([r["index"] for r in rows]).repeat_interleave(cfg.rollout_n)  # [B]
+    with timer("reward", metrics):
+        batch["scores"] = score(batch, [run.train_ds[i] for i in batch["index"].tolist()], run.tokenizer,
+                                run.reward_fn)  # [B]
+        if cfg.overlong_buffer_len:  # DAPO: long responses lose reward softly before the hard limit
+            penalty = overlong_penalty(batch["response_mask"].sum(-1), cfg.max_response_length,
+                                       cfg.overlong_buffer_len, cfg.overlong_penalty_factor)  # [B]
+            batch["scores"] = batch["scores"] + penalty
+            metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
+    return batch
+
+
+def rollout_and_score(step: int, rows: list[dict], run: Run, metrics: dict) -> TensorDict:
+    """The step's scored batch. With dynamic_sampling (DAPO) a group whose rewards are all equal carries no gradient:
+    such groups are dropped and further prompts sampled, in rounds that every rank runs together, until every rank
+    holds len(rows) informative groups or max_gen_rounds have run (the rest is then filled with dropped groups).
+    A round's prompts and seeds follow (seed, step, round), so a resumed step replays them."""
+    cfg, ctl, n = run.cfg, run.ctl, run.cfg.rollout_n
+    first = generate_and_score(step, rows, run, metrics)
+    if not cfg.dynamic_sampling:
+        return first
+    keep, spare, rounds = [], [], 0
+    batch = first
+    while True:
+        rounds += 1
+        spread = batch["scores"].view(-1, n)  # [groups, n]
+        informative = spread.max(-1).values > spread.min(-1).values  # [groups]
+        for g, good in enumerate(informative.tolist()):
+            (keep if good else spare).append(batch[g * n : (g + 1) * n])
+        short = ctl.reduce({"dynamic/short/max": max(0, len(rows) - len(keep))})["dynamic/short/max"]
+        if short == 0 or rounds == cfg.max_gen_rounds:
+            break
+        generator = torch.Generator().manual_seed(sample_seed(cfg.seed, step, -rounds))  # round r's prompts
+        start = ctl.dp_rank * len(rows)
+        picks = torch.randperm(len(run.train_ds), generator=generator)[start : start + len(rows)].tolist()
+        batch = generate_and_score(step, [run.train_ds[i] for i in picks], run, metrics, rounds * len(run.train_ds))
+    filled = max(0, len(rows) - len(keep))
+    metrics.update({"dynamic/rounds": rounds, "dynamic/kept_groups": min(len(keep), len(rows)),
+                    "dynamic/dropped_groups": len(spare), "dynamic/filled_groups": filled})
+    return repad(keep[: len(rows)] + spare[:filled], ctl, run.tokenizer.pad_token_id)
+
+
+def repad(groups: list[TensorDict], ctl, pad_id: int) -> TensorDict:
+    """Groups from several generate calls (each padded to its own widths) as one batch, padded to the widest prompt
+    and response over every rank (the same shapes everywhere, as balancing needs)."""
+    rows = [g[i] for g in groups for i in range(g.batch_size[0])]
+    prompts = [r["prompts"][r["attention_mask"][: r["prompts"].shape[0]].bool()].tolist() for r in rows]
+    lengths = [int(r["response_mask"].sum()) for r in rows]
+    widths = ctl.reduce({"P/max": max(map(len, prompts)), "R/max": max(1, max(lengths))})
+    batch = pad_batch(prompts, [r["responses"][:k].tolist() for r, k in zip(rows, lengths)],
+                      [r["rollout_log_probs"][:k].tolist() for r, k in zip(rows, lengths)], pad_id,
+                      (int(widths["P/max"]), int(widths["R/max"])))
+    batch["index"] = torch.stack([r["index"] for r in rows])  # [B]
+    batch["scores"] = torch.stack([r["scores"] for r in rows])  # [B]
+    return batch
 
 
 def policy_loss_mask(batch: TensorDict, cfg: Config, eos_id: int) -> tuple[torch.Tensor, dict]:

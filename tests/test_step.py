@@ -8,9 +8,11 @@ from dataclasses import replace
 
 import pytest
 
+from comm import init_distributed
 from config import Config
 from data import checked_score
-from ppo import check_out_dir, prompt_indices, sample_seed, train
+from ppo import SPMD, check_out_dir, make_run, prompt_indices, rl_step, sample_seed, train
+from workers import ActorWorker
 
 
 def test_sample_seeds_are_distinct_for_distinct_steps_and_rows():
@@ -80,3 +82,37 @@ def test_a_bad_reward_stops_the_run_naming_function_source_and_row(tiny_rl_setup
 def test_a_dict_with_a_score_is_read_as_verl_does():
     row = {"data_source": "arith", "where": "f.parquet, row 3"}
     assert checked_score({"score": 1, "acc": True}, len, row) == 1.0 and checked_score(True, len, row) == 1.0
+
+
+MIXED_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] % 3 == 0:
+        return 1.0  # every sample right: a group with nothing to learn
+    if extra_info["index"] % 3 == 1:
+        return 0.0  # every sample wrong: the same
+    return float(len(solution_str) % 2)  # differs within a group (most of the time)
+'''
+
+
+def test_dynamic_sampling_fills_the_batch_with_informative_groups(tiny_rl_setup, tmp_path):
+    """A third of the prompts always score 1 and a third always 0: dynamic sampling drops their groups, samples
+    more prompts in rounds, and the step trains on train_batch_size groups whose rewards all differ within."""
+    (tmp_path / "mixed.py").write_text(MIXED_REWARD)
+    cfg = Config(**{**tiny_rl_setup, "reward_fn_path": str(tmp_path / "mixed.py")}, adv_estimator="grpo",
+                 rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=4, max_response_length=6,
+                 dynamic_sampling=True, max_gen_rounds=12, out_dir=str(tmp_path / "out"))
+    dist = init_distributed()
+    actor = ActorWorker(cfg, cfg.model_path, dist)
+    run = make_run(cfg, cfg.model_path, cfg.train_files, cfg.val_files, actor, None, SPMD(dist))
+    rows = [run.train_ds[i] for i in prompt_indices(1, cfg, len(run.train_ds))]
+    metrics, batch, _ = rl_step(1, rows, run, 0.0)
+    scores = batch["scores"].view(-1, cfg.rollout_n)  # [groups, n]
+    assert scores.shape[0] == cfg.train_batch_size
+    assert (scores.max(-1).values > scores.min(-1).values).all(), "a group with equal rewards was kept"
+    assert all(i % 3 == 2 for i in batch["index"].tolist())
+    assert metrics["dynamic/kept_groups"] == 8 and metrics["dynamic/filled_groups"] == 0
+    assert metrics["dynamic/rounds"] >= 2 and metrics["dynamic/dropped_groups"] >= 8 - 8 // 3
+    # the step replays: the same rounds, prompts and samples
+    again = rl_step(1, rows, make_run(cfg, cfg.model_path, cfg.train_files, cfg.val_files,
+                                      ActorWorker(cfg, cfg.model_path, dist), None, SPMD(dist)), 0.0)[1]
+    assert again["index"].tolist() == batch["index"].tolist() and (again["responses"] == batch["responses"]).all()
