@@ -8,6 +8,7 @@
 - A checkpoint written by 2 ranks resumes in 1 process.
 - When a rank dies (os._exit) or hangs, the other exits with an error that names it, within dist_timeout_s, and the
   same command resumes from the latest checkpoint (tests/dist_rank_fault.py injects the fault).
+- Dynamic sampling fills 1 process and 2 ranks alike with informative groups.
 - PPO with a critic on 2 ranks: values, returns and advantages (whitened over both ranks) of the first step equal
   one process's; its checkpoint resumes in 1 process with the trained critic, and the adaptive KL coefficient
   continues its recursion.
@@ -140,6 +141,30 @@ def test_stuck_rank_is_named_after_dist_timeout(tiny_rl_setup, tmp_path):
     log = run_with_fault(argv, tmp_path / "fault.log", "1:2:hang", timeout_s=timeout + 60)
     assert "RankFailure: rank 0 stops: rank 1 is alive but did not take part" in log, log[-3000:]
     assert "Timed out" in log  # gloo's error, after dist_timeout_s
+
+
+MIXED_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] % 3 == 0:
+        return 1.0
+    if extra_info["index"] % 3 == 1:
+        return 0.0
+    return float(len(solution_str) % 2)
+"""
+
+
+def test_dynamic_sampling_fills_both_ranks_with_informative_groups(tiny_rl_setup, tmp_path):
+    """Two thirds of the prompts give groups with equal rewards: on 1 process and on 2 ranks alike, the step ends
+    with train_batch_size informative groups (none filled in), every rank running the same rounds."""
+    (tmp_path / "mixed.py").write_text(MIXED_REWARD)
+    for ranks in (1, 2):
+        out = tmp_path / f"ranks{ranks}"
+        argv = args({**tiny_rl_setup, "reward_fn_path": str(tmp_path / "mixed.py")}, out, total_steps=1,
+                    max_gen_rounds=12) + ["--dynamic-sampling"]
+        launch(argv, tmp_path / f"ranks{ranks}.log", ranks=ranks)
+        step = records(out)[1]
+        assert step["dynamic/kept_groups"] == 8 and step["dynamic/filled_groups"] == 0, step
+        assert step["dynamic/rounds"] >= 2 and step["dynamic/dropped_groups"] >= 6
 
 
 def test_ppo_two_ranks_match_one_process_and_resume_in_one(tiny_rl_setup, tmp_path):
