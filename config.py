@@ -199,6 +199,9 @@ class Config:
     """Where metrics.jsonl, curves.png and final/ go."""
     seed: int = 0
     """Seed of data order, sampling (per step and prompt) and initialisation."""
+    max_ckpt_to_keep: int = 3
+    """Checkpoints kept in out_dir/checkpoints: the newest this many, and always the best (the highest held-out
+    accuracy among evaluated checkpoint steps) and the latest (verl's name)."""
     ckpt_every: int = 0
     """Steps between DCP checkpoints in out_dir/checkpoints (0: none); they resume at any world size."""
     resume: str = "auto"
@@ -224,6 +227,8 @@ class Config:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.max_ckpt_to_keep < 1:
+            raise ValueError(f"max_ckpt_to_keep={self.max_ckpt_to_keep} must be >= 1")
         if self.ckpt_every < 0:
             raise ValueError(f"ckpt_every={self.ckpt_every} must be >= 0 (0: no checkpoints)")
         if self.ppo_max_token_len_per_gpu < 1:

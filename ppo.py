@@ -22,6 +22,7 @@ with worker groups in place of the workers. The algorithm math is in core_algos.
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from config import Config
 from core_algos import compute_advantages, kl_in_reward, last_token, overlong_penalty, rollout_mask, update_kl_coef
 from data import RLDataset, checked_score, load_reward_fn
 from fileio import write_atomic
-from sharding import begin_checkpoint, commit_checkpoint, find_latest
+from sharding import begin_checkpoint, commit_checkpoint, find_latest, prune_checkpoints
 from tracking import Tracking
 from workers import ActorWorker, CriticWorker, pad_batch
 
@@ -383,12 +384,24 @@ def save_checkpoint(run: Run, step: int, state: dict) -> None:
     if run.ctl.is_main:
         begin_checkpoint(ckpt_dir, step)
     run.ctl.barrier()
-    run.actor.save_checkpoint(os.path.join(tmp, "actor"))
-    if run.critic:
-        run.critic.save_checkpoint(os.path.join(tmp, "critic"))
+    try:
+        run.actor.save_checkpoint(os.path.join(tmp, "actor"))
+        if run.critic:
+            run.critic.save_checkpoint(os.path.join(tmp, "critic"))
+        if run.ctl.is_main:
+            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    except (OSError, RuntimeError) as error:  # e.g. a full disk (torch's writer says only "unexpected pos")
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it took; `latest` still names the previous checkpoint
+        free = shutil.disk_usage(ckpt_dir).free / 2**20
+        raise RuntimeError(f"writing checkpoint {tmp} failed ({error}); {free:.0f} MB free on the disk of "
+                           f"{ckpt_dir}: free space (or fix its permissions) and run the same command to resume "
+                           f"from {find_latest(ckpt_dir) or 'the start'}") from error
     if run.ctl.is_main:
-        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         commit_checkpoint(ckpt_dir, step)
+        evaluated = [r for r in state["records"] if "val/accuracy" in r and os.path.isdir(
+            os.path.join(ckpt_dir, f"step_{r['step']}"))]
+        best = max(evaluated, key=lambda r: (r["val/accuracy"], r["step"]), default=None)
+        prune_checkpoints(ckpt_dir, run.cfg.max_ckpt_to_keep, {best["step"]} if best else set())
     run.ctl.barrier()
 
 

@@ -257,6 +257,18 @@ def commit_checkpoint(ckpt_dir: str, step: int) -> str:
     return final
 
 
+def prune_checkpoints(ckpt_dir: str, keep: int, protect: set[int]) -> list[int]:
+    """Delete the committed step_N folders beyond the newest `keep`, except the steps in `protect` and the one
+    `latest` names; returns the steps deleted. One process calls it, after commit_checkpoint."""
+    latest = find_latest(ckpt_dir)
+    steps = sorted((int(name[5:]) for name in os.listdir(ckpt_dir)
+                    if name.startswith("step_") and name[5:].isdigit()), reverse=True)
+    doomed = [s for s in steps[keep:] if s not in protect and os.path.join(ckpt_dir, f"step_{s}") != latest]
+    for step in doomed:
+        shutil.rmtree(os.path.join(ckpt_dir, f"step_{step}"))
+    return doomed
+
+
 def save_sharded(path: str, model, optimizer, extra: dict, dist: Dist) -> None:
     """One model's part of a checkpoint: DCP shards of {"model", "optim"} in the folder `path`, plus each rank's
     `extra` (extra_rank{r}.pt). Collective over the model's ranks."""

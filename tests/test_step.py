@@ -1,17 +1,21 @@
 """What a step sees (its prompts and sampling seeds) and what a run refuses: an out_dir holding another run, bad
-config values and files, rewards that are not finite numbers.
+config values and files, rewards that are not finite numbers; dynamic sampling; a full disk; checkpoint retention.
 
     python -m pytest tests/test_step.py -q
 """
 
+import errno
+import os
 from dataclasses import replace
 
 import pytest
+import torch
 
 from comm import init_distributed
 from config import Config
 from data import checked_score
 from ppo import SPMD, check_out_dir, make_run, prompt_indices, rl_step, sample_seed, train
+from sharding import find_latest, prune_checkpoints
 from workers import ActorWorker
 
 
@@ -116,3 +120,35 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tiny_rl_setup,
     again = rl_step(1, rows, make_run(cfg, cfg.model_path, cfg.train_files, cfg.val_files,
                                       ActorWorker(cfg, cfg.model_path, dist), None, SPMD(dist)), 0.0)[1]
     assert again["index"].tolist() == batch["index"].tolist() and (again["responses"] == batch["responses"]).all()
+
+
+def test_a_full_disk_leaves_latest_on_the_previous_checkpoint(tiny_rl_setup, tmp_path, monkeypatch):
+    """The second checkpoint's write fails with ENOSPC: the run stops naming the disk, its partial folder is gone,
+    and `latest` still names step_1, from which the same command resumes."""
+    cfg = Config(**tiny_rl_setup, rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=2,
+                 max_response_length=4, total_steps=3, ckpt_every=1, out_dir=str(tmp_path / "out"))
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):  # any file of the second checkpoint
+        if "step_2.tmp" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(RuntimeError, match=r"step_2.tmp failed \(\[Errno 28\] No space left on device\); \d+ MB free "
+                                           r"on the disk of .*step_1"):
+        train(cfg)
+    ckpt = tmp_path / "out" / "checkpoints"
+    assert find_latest(str(ckpt)) == str(ckpt / "step_1") and sorted(os.listdir(ckpt)) == ["latest", "step_1"]
+    monkeypatch.setattr(torch, "save", real_save)
+    records = train(cfg)  # the same command resumes
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+
+
+def test_retention_keeps_the_newest_the_best_and_the_latest(tmp_path):
+    for step in range(1, 7):
+        (tmp_path / f"step_{step}").mkdir()
+    (tmp_path / "step_7.tmp").mkdir()  # a save in progress is never touched
+    (tmp_path / "latest").write_text("step_6")
+    assert prune_checkpoints(str(tmp_path), keep=2, protect={2}) == [4, 3, 1]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_2", "step_5", "step_6", "step_7.tmp"]
