@@ -16,6 +16,12 @@ from sharding import FSDPConfig
 from tracking import Backend
 
 
+START_HERE = """Where to start: `python {script}` runs {algo} on the built-in arithmetic task with a tiny model on CPU
+(minutes; outputs in out/{name}). Your own task: --model-path, --train-files, --val-files (verl's parquet schema)
+and --reward-fn-path (the README shows the whole path). Most changed: --total-steps, --rollout-n, --lr,
+--max-response-length, --train-batch-size; --logger tensorboard; --ckpt-every. Every field follows."""
+
+
 @dataclass
 class Config:
     # ---- model and data ----
@@ -189,6 +195,8 @@ class Config:
     logger: tuple[Backend, ...] = ()
     """Where metrics go besides metrics.jsonl and curves.png (always written): console (a line a step),
     tensorboard (out_dir/tensorboard), wandb (offline in out_dir/wandb unless WANDB_API_KEY is set)."""
+    verbose: bool = False
+    """Print vLLM's INFO log lines too (by default only its warnings)."""
     project_name: str = "nanoverl"
     """wandb's project."""
     experiment_name: str | None = None

@@ -16,8 +16,9 @@ PPO's, because the one step (ppo.rl_step) picks any of them by name; a prompt's 
 
 import tyro
 
-from config import Config
+from config import START_HERE, Config
 from ppo import train
 
 if __name__ == "__main__":
-    train(tyro.cli(Config, default=Config(adv_estimator="grpo", out_dir="out/grpo")))
+    help_text = START_HERE.format(script="grpo.py", algo="GRPO", name="grpo")
+    train(tyro.cli(Config, default=Config(adv_estimator="grpo", out_dir="out/grpo"), description=help_text))

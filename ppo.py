@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoTokenizer
 from batching import balance_ranks, flops_workload
 from comm import (Dist, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics, shutdown, timer,
                   watch_ranks)
-from config import Config
+from config import START_HERE, Config
 from core_algos import compute_advantages, kl_in_reward, last_token, overlong_penalty, rollout_mask, update_kl_coef
 from data import RLDataset, checked_score, load_reward_fn
 from fileio import write_atomic
@@ -508,4 +508,5 @@ def train(cfg: Config) -> list[dict]:
 
 
 if __name__ == "__main__":
-    train(tyro.cli(Config))
+    help_text = START_HERE.format(script="ppo.py", algo="PPO (GAE, a critic)", name="ppo")
+    train(tyro.cli(Config, description=help_text))

@@ -36,11 +36,11 @@ class RolloutOutput:
 
 
 def make_rollout(backend: str, *, model_path: str, model, tokenizer, max_model_len: int, seed: int = 0,
-                 dtype: str = "float32", gpu_memory_utilization: float = 0.5):
+                 dtype: str = "float32", gpu_memory_utilization: float = 0.5, verbose: bool = False):
     """backend "vllm": an engine loaded from model_path; "hf": generate with the trainer's own `model`."""
     if backend == "vllm":
         return VLLMRollout(model_path, max_model_len=max_model_len, seed=seed, dtype=dtype,
-                           gpu_memory_utilization=gpu_memory_utilization)
+                           gpu_memory_utilization=gpu_memory_utilization, verbose=verbose)
     if backend == "hf":
         return HFRollout(model, tokenizer)
     raise ValueError(f"rollout backend must be 'vllm' or 'hf', got {backend!r}")
@@ -56,11 +56,15 @@ class VLLMRollout:
     process group (vLLM's cleanup), so close() comes after the run's last collective."""
 
     def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0, dtype: str = "float32",
-                 gpu_memory_utilization: float = 0.5, cpu_kv_cache_bytes: int = CPU_KV_CACHE_BYTES):
+                 gpu_memory_utilization: float = 0.5, cpu_kv_cache_bytes: int = CPU_KV_CACHE_BYTES,
+                 verbose: bool = False):
         """gpu_memory_utilization: the share of device memory the engine takes on GPU (colocated with the trainer);
-        on CPU the engine takes a KV cache of cpu_kv_cache_bytes instead (resident from the start)."""
+        on CPU the engine takes a KV cache of cpu_kv_cache_bytes instead (resident from the start). verbose: keep
+        vLLM's INFO lines (a few hundred a run, e.g. one a step for the prefix-cache reset); else warnings only."""
         # In-process engine: starts in seconds, and its worker (hence its weights) is reachable from here.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # read when vllm is first imported (here, in a training run); a level the user set wins
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
         from vllm import LLM
         from vllm.platforms import current_platform
 

@@ -37,6 +37,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as tdist
@@ -55,10 +56,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class FSDPConfig:
-    param_dtype: str = "float32"
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype that forward/backward compute in (MixedPrecisionPolicy casts the gathered parameters; in one process,
     without FSDP, torch.autocast); masters keep the load dtype."""
-    reduce_dtype: str = "float32"
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the gradient reduce-scatter; fp32 with bf16 params keeps gradient sums accurate."""
     reshard_after_forward: bool = True
     """Free each layer's gathered parameters after forward and gather again in backward (ZeRO-3); False keeps

@@ -224,7 +224,7 @@ class ActorWorker(Worker):
         self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=self.model, tokenizer=tokenizer,
                                     max_model_len=cfg.max_prompt_length + cfg.max_response_length, seed=cfg.seed,
                                     dtype=cfg.fsdp.param_dtype,  # the engine computes in the trainer's dtype
-                                    gpu_memory_utilization=cfg.gpu_memory_utilization)
+                                    gpu_memory_utilization=cfg.gpu_memory_utilization, verbose=cfg.verbose)
         # train mode <-> rollout mode, streaming the weights into the engine (the 3D-HybridEngine, hybrid_engine.py)
         self.hybrid = HybridEngine(self.model, self.opt, self.rollout, dist, cfg.hybrid, DTYPES[cfg.fsdp.param_dtype])
 

@@ -16,6 +16,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -165,6 +166,17 @@ def test_dynamic_sampling_fills_both_ranks_with_informative_groups(tiny_rl_setup
         step = records(out)[1]
         assert step["dynamic/kept_groups"] == 8 and step["dynamic/filled_groups"] == 0, step
         assert step["dynamic/rounds"] >= 2 and step["dynamic/dropped_groups"] >= 6
+
+
+def test_the_console_is_quiet(tiny_rl_setup, tmp_path):
+    """vLLM's INFO lines stay off by default (--verbose brings them back): besides the progress bars, a run prints
+    a few dozen lines at most, none of them per step."""
+    launch(args(tiny_rl_setup, tmp_path / "out", total_steps=6), tmp_path / "log")
+    parts = re.split(r"[\r\n]", open(tmp_path / "log").read())
+    bar = re.compile(r"(it/s|s/it)\]|^\s*rl:|Writing model shards|Loading weights")
+    lines = [p for p in parts if p.strip() and not bar.search(p)]
+    assert len(lines) < 40, "\n".join(lines)
+    assert not [p for p in lines if " INFO " in p], "\n".join(lines)
 
 
 def test_ppo_two_ranks_match_one_process_and_resume_in_one(tiny_rl_setup, tmp_path):
