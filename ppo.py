@@ -218,11 +218,10 @@ def rollout_and_score(step: int, rows: list[dict], run: Run, metrics: dict) -> T
     holds len(rows) informative groups or max_gen_rounds have run (the rest is then filled with dropped groups).
     A round's prompts and seeds follow (seed, step, round), so a resumed step replays them."""
     cfg, ctl, n = run.cfg, run.ctl, run.cfg.rollout_n
-    first = generate_and_score(step, rows, run, metrics)
+    batch = generate_and_score(step, rows, run, metrics)
     if not cfg.dynamic_sampling:
-        return first
+        return batch
     keep, spare, rounds = [], [], 0
-    batch = first
     while True:
         rounds += 1
         spread = batch["scores"].view(-1, n)  # [groups, n]
