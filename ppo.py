@@ -21,6 +21,7 @@ with worker groups in place of the workers. The algorithm math is in core_algos.
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -460,6 +461,8 @@ def loop(run: Run) -> list[dict]:
         if cfg.ckpt_every and step % cfg.ckpt_every == 0:
             save_checkpoint(run, step, {"step": step, "records": records, "kl_coef": kl_coef})
         bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", acc=metrics.get("val/accuracy", ""))
+        for line in step_warnings(metrics, records[-2] if len(records) > 1 else {}) if ctl.is_main else ():
+            tqdm.write(line)  # above the bar
 
     run.actor.export(os.path.join(cfg.out_dir, "final"))
     if run.critic:  # a later run can start its critic here (critic_model_path)
@@ -471,6 +474,27 @@ def loop(run: Run) -> list[dict]:
         print(f"held-out greedy accuracy: {records[0]['val/accuracy']:.3f} -> {records[-1]['val/accuracy']:.3f}; "
               f"outputs in {cfg.out_dir}")
     return records
+
+
+TRUNCATED_WARN = 0.5  # a share of responses cut at max_response_length worth a word
+
+
+def step_warnings(record: dict, previous: dict) -> list[str]:
+    """What a person should see about one step, beside the progress bar: skipped optimizer steps and non-finite
+    metrics whenever they happen; many truncated responses when the share first crosses TRUNCATED_WARN (again only
+    after it fell back below)."""
+    step, out = record["step"], []
+    skipped = {k: v for k, v in record.items() if k.endswith("/skipped_steps") and v}
+    for key, n in skipped.items():
+        out.append(f"step {step}: {key.split('/')[0]} skipped {n:.0f} optimizer step(s): a non-finite gradient")
+    bad = sorted(k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v))
+    if bad:
+        out.append(f"step {step}: non-finite metrics: {', '.join(bad)}")
+    share = record.get("response_length/clip_ratio", 0.0)
+    if share >= TRUNCATED_WARN > previous.get("response_length/clip_ratio", 0.0):
+        out.append(f"step {step}: {share:.0%} of the responses hit max_response_length (cut before EOS): raise "
+                   "--max-response-length, or shape long answers (--overlong-buffer-len, --mask-truncated)")
+    return out
 
 
 def check_out_dir(cfg: Config) -> None:

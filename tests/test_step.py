@@ -14,7 +14,7 @@ import torch
 from comm import init_distributed
 from config import Config
 from data import checked_score
-from ppo import SPMD, check_out_dir, make_run, prompt_indices, rl_step, sample_seed, train
+from ppo import SPMD, check_out_dir, make_run, prompt_indices, rl_step, sample_seed, step_warnings, train
 from sharding import find_latest, prune_checkpoints
 from workers import ActorWorker
 
@@ -152,3 +152,16 @@ def test_retention_keeps_the_newest_the_best_and_the_latest(tmp_path):
     (tmp_path / "latest").write_text("step_6")
     assert prune_checkpoints(str(tmp_path), keep=2, protect={2}) == [4, 3, 1]
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_2", "step_5", "step_6", "step_7.tmp"]
+
+
+def test_step_warnings_name_the_step_and_fire_once_per_occurrence():
+    ok = {"step": 4, "actor/skipped_steps": 0.0, "actor/pg_loss": 0.1, "response_length/clip_ratio": 0.2}
+    assert step_warnings(ok, {}) == []
+    bad = {**ok, "step": 5, "actor/skipped_steps": 1.0, "actor/pg_loss": float("nan"),
+           "response_length/clip_ratio": 0.75}
+    lines = step_warnings(bad, ok)
+    assert lines[0] == "step 5: actor skipped 1 optimizer step(s): a non-finite gradient"
+    assert lines[1] == "step 5: non-finite metrics: actor/pg_loss"
+    assert lines[2].startswith("step 5: 75% of the responses hit max_response_length")
+    still = {**ok, "step": 6, "response_length/clip_ratio": 0.8}
+    assert step_warnings(still, bad) == []  # the same occurrence of many truncated responses: said once
