@@ -161,7 +161,8 @@ class Config:
     ppo_micro_batch_size: int = 64
     """Sequences per forward/backward pass (gradient accumulation), actor and critic; also the log-prob and
     value passes' size. On CPU keep a micro-batch near 2k tokens: at 25M parameters 16 x 137 tokens updated 1.4x
-    faster than 64 x 137, whose large temporaries glibc maps afresh at every call (bench/step.py)."""
+    faster than 64 x 137, whose large temporaries glibc maps afresh at every call (a plain HF update timed once
+    by a scratch script; bench/step.py runs 16)."""
     use_dynamic_bsz: bool = False
     """Micro-batches by token budget (ppo_max_token_len_per_gpu) instead of ppo_micro_batch_size sequences;
     the same gradient, less padding (batching.py)."""

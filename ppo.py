@@ -197,19 +197,19 @@ def generate_and_score(step: int, rows: list[dict], run: Run, metrics: dict, see
     DAPO's overlong shaping when configured: the batch with "index" (each response's dataset row) and "scores"."""
     cfg = run.cfg
     seeds = [sample_seed(cfg.seed, step, r["index"] + seed_offset) for r in rows]
-    batch, gen_metrics = run.actor.generate([r["prompt_ids"] for r in rows], seeds)
-    for k, v in gen_metrics.items():  # summed over dynamic sampling's rounds
-        metrics[k] = metrics.get(k, 0.0) + v if k.startswith("timing_s/") else v
+    batch, this_round = run.actor.generate([r["prompt_ids"] for r in rows], seeds)
     # each response's dataset row travels with it: whatever moves the rows, they are looked up by this
     batch["index"] = torch.tensor([r["index"] for r in rows]).repeat_interleave(cfg.rollout_n)  # [B]
-    with timer("reward", metrics):
+    with timer("reward", this_round):
         batch["scores"] = score(batch, [run.train_ds[i] for i in batch["index"].tolist()], run.tokenizer,
                                 run.reward_fn)  # [B]
         if cfg.overlong_buffer_len:  # DAPO: long responses lose reward softly before the hard limit
             penalty = overlong_penalty(batch["response_mask"].sum(-1), cfg.max_response_length,
                                        cfg.overlong_buffer_len, cfg.overlong_penalty_factor)  # [B]
             batch["scores"] = batch["scores"] + penalty
-            metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
+            this_round["reward/overlong_penalty_mean"] = penalty.mean().item()
+    for k, v in this_round.items():  # times add up over dynamic sampling's rounds; the rest is the last round's
+        metrics[k] = metrics.get(k, 0.0) + v if k.startswith("timing_s/") else v
     return batch
 
 

@@ -10,13 +10,15 @@ Sizes: "default" is python grpo.py's run (the warm-started 1M-parameter policy, 
 tokens); "gen" is a generation-bound size made here: a 25M-parameter Qwen2 (hidden 512, 8 layers, 8 heads, 4 KV
 heads, tied embeddings, random weights), 16 prompts x 8, every response forced to 128 tokens (--ignore-eos), one
 optimizer step a step, micro-batches of 16 sequences (2.2k tokens: on CPU 1.4x faster than 64, whose 54 MB
-temporaries glibc maps and unmaps at every call; measured with a plain HF update, 12.4 s against 17.5 s). One process, the in-process vLLM engine, the prompts of the built-in task.
+temporaries glibc maps and unmaps at every call; a plain HF update timed once by a scratch script: 12.4 s against
+17.5 s). One process, the in-process vLLM engine, the prompts of the built-in task.
 
 For each size and dtype the bench times `steps` RL steps (ppo.rl_step, after one untimed step) with the old
 log-probs recomputed (Config.old_log_probs="recompute") and then without that pass: from the update's own forward
-("update") where the update is one optimizer step, else the engine's ("rollout"); and prints per phase: seconds, tokens/s, model FLOP/s (2 N per token forward, 6 N forward + backward; N the
-parameters, attention's own FLOPs left out) as a share of the matmul peak measured in the same run (2048 x 2048,
-best of 5), and the ratio to a plain reference on the same tokens:
+("update") where the update is one optimizer step, else the engine's ("rollout"); and prints per phase: seconds,
+tokens/s, model FLOP/s (2 N per token forward, 6 N forward + backward; N the parameters, attention's own FLOPs
+left out) as a share of the matmul peak measured in the same run (2048 x 2048, best of 5), and the ratio to a plain
+reference on the same tokens:
 - gen:          the engine's own LLM.generate, one SamplingParams for all prompts (no seeds, no log-probs); also
                 printed: seeded per prompt, and with log-probs, as rollout.py asks
 - old_log_prob: a plain no-grad HF forward over the same micro-batches
