@@ -38,7 +38,7 @@ from comm import (Dist, all_sum_fn, barrier, broadcast_object, init_distributed,
                   watch_ranks)
 from config import START_HERE, Config
 from core_algos import compute_advantages, kl_in_reward, last_token, overlong_penalty, rollout_mask, update_kl_coef
-from data import RLDataset, checked_score, load_reward_fn
+from data import RLDataset, load_reward_fn, score_responses
 from fileio import write_atomic
 from sharding import begin_checkpoint, commit_checkpoint, find_latest, prune_checkpoints
 from tracking import Tracking
@@ -277,8 +277,7 @@ def score(batch: TensorDict, rows: list[dict], tokenizer, reward_fn) -> torch.Te
     """One scalar reward per response [B] from the task's verifier; rows[b] is response b's prompt row. A reward
     that is not a finite number stops the run here, before any update (data.checked_score)."""
     texts = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-    return torch.tensor([checked_score(reward_fn(r["data_source"], t, r["ground_truth"], r["extra_info"]), reward_fn, r)
-                         for r, t in zip(rows, texts)])
+    return torch.tensor(score_responses(reward_fn, rows, texts))  # [B]
 
 
 def evaluate(run: Run) -> dict:
@@ -460,7 +459,8 @@ def loop(run: Run) -> list[dict]:
         emit(metrics)
         if cfg.ckpt_every and step % cfg.ckpt_every == 0:
             save_checkpoint(run, step, {"step": step, "records": records, "kl_coef": kl_coef})
-        bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", acc=metrics.get("val/accuracy", ""))
+        acc = next(r["val/accuracy"] for r in reversed(records) if "val/accuracy" in r)  # the latest evaluation's
+        bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", acc=f"{acc:.3f}")
         for line in step_warnings(metrics, records[-2] if len(records) > 1 else {}) if ctl.is_main else ():
             tqdm.write(line)  # above the bar
 

@@ -1,8 +1,9 @@
 """Supervised fine-tuning (SFT), and the built-in tiny policy that the default RL run starts from.
 
-    python sft.py                                   # build the tiny policy, warm-start it on arith
-    python sft.py --model-path PATH --train-files train.parquet --val-files val.parquet \
-        --response-key extra_info.answer --out-dir out/sft --stop-accuracy 0   # any HF model, any parquet
+    python sft.py                                   # build the tiny policy, warm-start it on arith (cached)
+    python sft.py --model-path PATH --train-files sft.parquet --val-files val.parquet --out-dir out/sft \
+        --reward-fn-path my_reward.py               # any HF model, any prompt/response parquet, any reward
+    python grpo.py --model-path out/sft ...         # the folder sft.py wrote is the RL run's policy
 
 The built-in policy is made here, with no download: a byte-level tokenizer (one token per byte) built with
 the `tokenizers` library (saved as an HF tokenizer with a minimal chat template, so the prompt path is the
@@ -11,11 +12,17 @@ on the built-in arithmetic task: it learns to add from the true answers (until h
 reaches `stop_accuracy`), then picks up a habit from a sloppy teacher that forgets each carry with chance
 `teacher_slip`. The result knows how to carry and samples it now and then, but its greedy answer drops
 carries, so RL has a behaviour to select (as RL on an LLM sharpens what the base model does sometimes).
-The result is cached: a second run with the same config reuses it.
 
-The SFT data layout is verl's: a parquet with a prompt column (a chat list or a plain string) and a
-response column (`response_key`, which may be a dotted path into a dict column, e.g. extra_info.answer).
-The loss covers response tokens (and the closing EOS) only.
+The SFT data is a parquet of (prompt, response) rows. The prompt is a chat list or a plain string; the
+response is the column `response_key` names (a dotted path reads into a dict column, e.g. extra_info.answer).
+Left unset, the keys are found as RESPONSE_KEYS / PROMPT_KEYS list them (verl's and TRL's layouts), or a
+`messages` chat column whose last turn is the response. The loss covers response tokens (and the closing EOS).
+
+Evaluation is the RL run's: greedy decoding on `val_files` (verl's RL schema), scored by the same reward
+dispatch (`reward_fn_path`, else the built-in verifier of each row's data_source). The best evaluation's model
+is the one saved (the lowest training loss between evaluations when there is no val set), in exactly
+`out_dir`, with `sft_result.json` (config, a hash of the data files, history). A second run with the same
+config and data reuses it; changed data or config trains again.
 """
 
 import hashlib
@@ -29,13 +36,16 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 import tyro
-from data import default_compute_score, read_rl_parquet, tokenize_prompt
+from data import RLDataset, default_compute_score, load_reward_fn, score_responses, tokenize_prompt
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import logging as hf_logging
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
 # One turn is <|role|>content<|end|>; generation starts after <|assistant|> and stops at <|end|> (the EOS).
+CACHE = "~/.cache/nanoverl/warmstart"  # where out_dir=None puts a run, in a folder named by its config's hash
+RESULT = "sft_result.json"  # written last into a finished model folder: config, data hash, history
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
@@ -49,13 +59,22 @@ class SFTConfig:
     train_files: str | None = None
     """SFT parquet (comma-separated list); None generates the built-in arithmetic task."""
     val_files: str | None = None
-    """Held-out parquet in verl's RL schema, scored by greedy decoding; None uses the built-in task's."""
-    prompt_key: str = "prompt"
-    """Column holding the prompt: a chat list of {role, content} or a plain user string."""
-    response_key: str = "extra_info.answer"
-    """Column holding the target response; a dotted path reads into a dict column."""
-    out_dir: str = "~/.cache/nanoverl/warmstart"
-    """Where the trained model goes; for the built-in policy a subfolder named by the config's hash."""
+    """Held-out parquet in verl's RL schema, scored by greedy decoding and the reward dispatch. None: the built-in
+    task's when train_files is None too; else no evaluation, and the step of lowest training loss is kept."""
+    prompt_key: str | None = None
+    """Column holding the prompt (a chat list of {role, content} or a plain user string); None: the first of
+    PROMPT_KEYS the file has."""
+    response_key: str | None = None
+    """Column holding the target response; a dotted path reads into a dict column (extra_info.answer). None: the
+    first of RESPONSE_KEYS the file has, or the last turn of a `messages` chat column."""
+    reward_fn_path: str | None = None
+    """Python file with the reward function that scores evaluations (as in RL); None: the built-in verifier of each
+    row's data_source."""
+    reward_fn_name: str = "compute_score"
+    """Name of the function in reward_fn_path: (data_source, solution_str, ground_truth, extra_info)."""
+    out_dir: str | None = None
+    """The folder the trained model is saved in (exactly this one: pass it to RL as --model-path). None: a cache
+    folder named by the config's hash, under ~/.cache/nanoverl/warmstart."""
     hidden_size: int = 128
     """Built-in policy: model width."""
     num_layers: int = 4
@@ -106,6 +125,8 @@ class SFTConfig:
             raise ValueError("batch_size, max_steps and eval_every must be >= 1")
         if self.habit_steps < 0:
             raise ValueError(f"habit_steps={self.habit_steps} must be >= 0 (0: no sloppy-teacher phase)")
+        if self.reward_fn_path is not None and not os.path.isfile(self.reward_fn_path):
+            raise FileNotFoundError(f"reward_fn_path={self.reward_fn_path}: no such file")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -149,6 +170,13 @@ def build_tiny_qwen2(tokenizer, cfg: SFTConfig) -> Qwen2ForCausalLM:
 # ---------------------------------------------------------------------------------------------------
 
 
+# Where a key left unset is looked for, in this order; the first the file's first row has wins. verl's SFT examples
+# read question/answer (at the top or in extra_info), TRL's prompt-completion rows prompt/completion.
+PROMPT_KEYS = ("prompt", "question", "extra_info.question")
+RESPONSE_KEYS = ("response", "answer", "completion", "extra_info.answer")
+MESSAGES = "messages"  # a chat column whose last turn is the response (verl's multi-turn SFT, TRL's conversational)
+
+
 def lookup(row: dict, key: str):
     """row["a.b"] reads row["a"]["b"]: verl's SFT keys may point into a dict column."""
     value = row
@@ -157,22 +185,64 @@ def lookup(row: dict, key: str):
     return value
 
 
-def read_sft_rows(files: str, prompt_key: str, response_key: str) -> list[tuple[list, str]]:
-    """(chat prompt, response text) pairs from parquet; a missing column or field names the file."""
+def has(row: dict, key: str) -> bool:
+    try:
+        return lookup(row, key) is not None
+    except (KeyError, TypeError):
+        return False
+
+
+def sft_keys(row: dict, path: str, prompt_key: str | None, response_key: str | None) -> tuple[str, str]:
+    """(prompt key, response key) for a file whose first row is `row`: the ones given, else the first of
+    PROMPT_KEYS / RESPONSE_KEYS present, else (MESSAGES, MESSAGES) for a chat column."""
+    if prompt_key is None and response_key is None and MESSAGES in row and not any(has(row, k) for k in PROMPT_KEYS):
+        return MESSAGES, MESSAGES
+    keys = []
+    for key, candidates, flag in ((prompt_key, PROMPT_KEYS, "--prompt-key"), (response_key, RESPONSE_KEYS,
+                                                                              "--response-key")):
+        found = [k for k in candidates if has(row, k)]
+        if key is None and not found:
+            raise ValueError(f"{path}: no column among {', '.join(candidates)} (its columns: {', '.join(row)}): "
+                             f"name yours with {flag}")
+        keys.append(key or found[0])
+    return keys[0], keys[1]
+
+
+def read_sft_rows(files: str, prompt_key: str | None = None, response_key: str | None = None) -> list[tuple[list, str]]:
+    """(chat prompt, response text) pairs from parquet; a missing column or field names the file and row."""
     pairs = []
     for path in files.split(","):
         if not os.path.exists(path):
             raise FileNotFoundError(f"SFT file not found: {path}")
-        for i, row in enumerate(pd.read_parquet(path).to_dict("records")):
-            try:
-                prompt, response = lookup(row, prompt_key), lookup(row, response_key)
-            except (KeyError, TypeError) as e:
-                raise ValueError(f"{path} row {i}: missing field {e} (prompt_key={prompt_key!r}, "
-                                 f"response_key={response_key!r})") from None
-            if isinstance(prompt, str):
-                prompt = [{"role": "user", "content": prompt}]
-            pairs.append(([dict(m) for m in prompt], str(response)))
+        rows = pd.read_parquet(path).to_dict("records")
+        if not rows:
+            raise ValueError(f"{path}: no rows")
+        pkey, rkey = sft_keys(rows[0], path, prompt_key, response_key)
+        if (pkey, rkey) != (prompt_key, response_key):
+            print(f"{path}: prompts from {pkey!r}, responses from {rkey!r}" + (" (its last turn)" * (rkey == MESSAGES)))
+        for i, row in enumerate(rows):
+            pairs.append(sft_pair(row, pkey, rkey, f"{path} row {i}"))
     return pairs
+
+
+def sft_pair(row: dict, prompt_key: str, response_key: str, where: str) -> tuple[list[dict], str]:
+    """One row's (chat prompt, response text)."""
+    try:
+        if prompt_key == response_key == MESSAGES:
+            chat = [dict(m) for m in row[MESSAGES]]
+            if len(chat) < 2 or chat[-1].get("role") != "assistant":
+                raise ValueError(f"{where}: {MESSAGES!r} must end with an assistant turn after the prompt, "
+                                 f"got {chat!r:.200}")
+            return chat[:-1], str(chat[-1]["content"])
+        prompt, response = lookup(row, prompt_key), lookup(row, response_key)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{where}: missing field {e} (prompt_key={prompt_key!r}, response_key={response_key!r})") \
+            from None
+    if response is None:
+        raise ValueError(f"{where}: response_key={response_key!r} is empty (None)")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt], str(response)
 
 
 def encode_pairs(tokenizer, pairs, max_length: int) -> list[tuple[list[int], int]]:
@@ -210,10 +280,11 @@ def sft_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
-    """Fraction of rows whose greedy response the task's verifier scores 1 (HF generate, left padding)."""
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, reward_fn=default_compute_score) -> float:
+    """Mean reward of the greedy responses to rows (RLDataset items), scored as RL scores them (HF generate, left
+    padding)."""
     model.eval()
-    prompts = [tokenize_prompt(tokenizer, r["prompt"]) for r in rows]
+    prompts = [r["prompt_ids"] for r in rows]
     T = max(map(len, prompts))
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (T - len(p)) + p for p in prompts])  # [B, T]
     out = model.generate(
@@ -222,28 +293,37 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
     )  # [B, T + new]
     texts = tokenizer.batch_decode(out[:, T:], skip_special_tokens=True)
     model.train()
-    scores = [default_compute_score(r["data_source"], t, r["reward_model"]["ground_truth"]) for r, t in zip(rows, texts)]
+    scores = score_responses(reward_fn, rows, texts)
     return sum(scores) / len(scores)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Training
+# Training: keep the best evaluation's model
 # ---------------------------------------------------------------------------------------------------
 
 
-def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir: str, habit_pairs=None) -> dict:
-    """AdamW on the response loss, evaluating every eval_every steps, until stop_accuracy (or max_steps);
-    then, given habit_pairs (the built-in task's sloppy teacher), habit_steps more on those."""
+def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir: str, habit_pairs=None,
+          reward_fn=default_compute_score, data_sha256: str | None = None) -> dict:
+    """AdamW on the response loss, evaluating every eval_every steps, until stop_accuracy (or max_steps); the best
+    evaluation's model (held-out accuracy, or the training loss since the previous evaluation without val_rows)
+    is the one saved to out_dir. Given habit_pairs (the built-in task's sloppy teacher), habit_steps more on those
+    follow from the best model, and their last step is saved (the habit lowers accuracy on purpose). out_dir gets
+    RESULT too: the history, the config and data_sha256 (what a later run compares to reuse it)."""
     random.seed(cfg.seed)
-    max_new = max(len(tokenizer(str(lookup(r, "reward_model.ground_truth")))["input_ids"]) for r in val_rows) + 4
+    lengths = [len(tokenizer(r)["input_ids"]) for _, r in pairs] + [
+        len(tokenizer(r["ground_truth"])["input_ids"]) for r in val_rows]
+    max_new = max(lengths) + 4  # room for the longest answer and its EOS
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
-    history = []
+    tmp = out_dir + ".tmp"  # the best model so far; it becomes out_dir at the end
+    shutil.rmtree(tmp, ignore_errors=True)
+    history, best = [], None
     model.train()
 
     def fit(pairs, max_steps: int, stop_accuracy: float, phase: str) -> int:
-        """Train on pairs; returns the steps taken."""
-        examples, order, pos = encode_pairs(tokenizer, pairs, cfg.max_length), [], 0
+        """Train on pairs, saving each evaluation that beats the best (phase "sft"); returns the steps taken."""
+        nonlocal best
+        examples, order, pos, losses = encode_pairs(tokenizer, pairs, cfg.max_length), [], 0, []
         bar = tqdm(range(1, max_steps + 1), desc=phase)
         for step in bar:
             if pos + cfg.batch_size > len(order):  # reshuffle each epoch
@@ -256,27 +336,43 @@ def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
+            losses.append(loss.item())
             if step % cfg.eval_every == 0 or step == max_steps:
-                acc = greedy_accuracy(model, tokenizer, val_rows, max_new)
-                history.append({"phase": phase, "step": step, "loss": loss.item(), "val/accuracy": acc})
-                bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.3f}")
-                if stop_accuracy and acc >= stop_accuracy:
+                record = {"phase": phase, "step": step, "loss": sum(losses) / len(losses)}
+                losses = []
+                if val_rows:
+                    record["val/accuracy"] = greedy_accuracy(model, tokenizer, val_rows, max_new, reward_fn)
+                history.append(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", **{"acc": f"{record['val/accuracy']:.3f}"} if val_rows else {})
+                merit = record["val/accuracy"] if val_rows else -record["loss"]
+                if phase == "sft" and (best is None or merit >= best[0]):
+                    best = (merit, record)
+                    save_model(model, tokenizer, tmp)
+                if val_rows and stop_accuracy and record["val/accuracy"] >= stop_accuracy:
                     break
         return step
 
     steps = fit(pairs, cfg.max_steps, cfg.stop_accuracy, "sft")
+    kept = best[1]
     if habit_pairs and cfg.habit_steps:
+        if kept is not history[-1]:  # go on from the best model, not the last
+            model.load_state_dict(AutoModelForCausalLM.from_pretrained(tmp).state_dict())
         steps += fit(habit_pairs, cfg.habit_steps, 0.0, "sft on the sloppy teacher")
-    tmp = out_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    result = {"steps": steps, "val/accuracy": history[-1]["val/accuracy"], "history": history, "config": asdict(cfg)}
-    with open(os.path.join(tmp, "sft_result.json"), "w") as f:
+        kept = history[-1]
+        save_model(model, tokenizer, tmp)
+    result = {"steps": steps, "best_phase": kept["phase"], "best_step": kept["step"], "val/accuracy": kept.get("val/accuracy"), "loss": kept["loss"],
+              "config": asdict(cfg), "data_sha256": data_sha256, "history": history}
+    with open(os.path.join(tmp, RESULT), "w") as f:
         json.dump(result, f, indent=1)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)  # a half-trained model never sits at out_dir
     return result
+
+
+def save_model(model, tokenizer, folder: str) -> None:
+    hf_logging.disable_progress_bar()  # else each new best prints a "Writing model shards" bar
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def builtin_files(cfg: SFTConfig, root: str) -> tuple[str, str]:
@@ -287,19 +383,53 @@ def builtin_files(cfg: SFTConfig, root: str) -> tuple[str, str]:
                                      operands=cfg.arith_operands, teacher_slip=cfg.teacher_slip))
 
 
+def data_sha256(files: list[str]) -> str:
+    """One hash of the files' bytes, in order: changed data is never mistaken for the cached run's."""
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def cached(out_dir: str, config: dict, data_hash: str) -> bool:
+    """True when out_dir holds a finished SFT of this config on this data; an out_dir that is not an SFT result
+    is refused, so a user's folder is never replaced."""
+    path = os.path.join(out_dir, RESULT)
+    if not os.path.exists(path):
+        if os.path.isdir(out_dir) and os.listdir(out_dir):
+            raise FileExistsError(f"out_dir={out_dir} holds files but no {RESULT}: it is not a folder sft.py wrote, "
+                                  "so it is not replaced; pick another --out-dir or remove it")
+        return False
+    with open(path) as f:
+        old = json.load(f)
+    changed = [k for k, v in config.items() if old.get("config", {}).get(k) != v]
+    if old.get("data_sha256") == data_hash and not changed:
+        return True
+    what = (["the data files"] if old.get("data_sha256") != data_hash else []) + changed
+    print(f"{out_dir} was trained with other {', '.join(what)}: training again")
+    return False
+
+
 def run(cfg: SFTConfig) -> str:
-    """Train as configured and return the model folder (reused if the built-in warm start is cached)."""
-    out_dir = os.path.expanduser(cfg.out_dir)
-    if cfg.model_path is None:  # the built-in policy: cache by config so a second run reuses it
-        key = hashlib.sha1(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:10]
-        out_dir = os.path.join(out_dir, key)
-        if os.path.exists(os.path.join(out_dir, "sft_result.json")):
-            print(f"warm start cached at {out_dir}")
-            return out_dir
+    """Train as configured and return the model folder: exactly cfg.out_dir, or the cache folder of this config;
+    a finished run of the same config on the same data is reused."""
+    config = json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "out_dir"}))  # as RESULT stores it
+    out_dir = cfg.out_dir or os.path.join(CACHE, hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10])
+    out_dir = os.path.expanduser(out_dir)
     train_files, val_files = cfg.train_files, cfg.val_files
-    if train_files is None or val_files is None:
+    if train_files is None:  # the built-in task (its held-out set too, unless val_files names one)
         default_train, default_val = builtin_files(cfg, out_dir + ".data")
-        train_files, val_files = train_files or default_train, val_files or default_val
+        train_files, val_files = default_train, val_files or default_val
+    files = train_files.split(",") + (val_files.split(",") if val_files else [])
+    for path in files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{'train_files' if path in train_files.split(',') else 'val_files'}: {path} not found")
+    data_hash = data_sha256(files)
+    if cached(out_dir, config, data_hash):
+        print(f"warm start cached at {out_dir} (same config and data)")
+        return out_dir
     if cfg.model_path is None:
         tokenizer = build_byte_tokenizer()
         model = build_tiny_qwen2(tokenizer, cfg)
@@ -310,10 +440,15 @@ def run(cfg: SFTConfig) -> str:
     pairs = read_sft_rows(train_files, cfg.prompt_key, cfg.response_key)
     habit_pairs = None
     if cfg.train_files is None and cfg.teacher_slip:  # the built-in task's second phase: the sloppy teacher
-        habit_pairs = read_sft_rows(train_files, cfg.prompt_key, "extra_info.teacher_answer")
-    val_rows = read_rl_parquet(val_files.split(",")[0])[: cfg.eval_size]  # schema-checked, plain python rows
-    result = train(cfg, model, tokenizer, pairs, val_rows, out_dir, habit_pairs)
-    print(f"SFT stopped at step {result['steps']}: held-out greedy accuracy {result['val/accuracy']:.3f} -> {out_dir}")
+        habit_pairs = read_sft_rows(train_files, "prompt", "extra_info.teacher_answer")
+    val_rows = []
+    if val_files:  # schema-checked RL prompts, as the RL run reads them
+        val_ds = RLDataset(val_files.split(","), tokenizer, cfg.max_length)
+        val_rows = [val_ds[i] for i in range(min(cfg.eval_size, len(val_ds)))]
+    result = train(cfg, model, tokenizer, pairs, val_rows, out_dir, habit_pairs,
+                   load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name), data_hash)
+    score = f"held-out accuracy {result['val/accuracy']:.3f}" if val_rows else f"training loss {result['loss']:.4f}"
+    print(f"SFT ran {result['steps']} steps; kept {result['best_phase']!r} step {result['best_step']} ({score}) -> {out_dir}")
     return out_dir
 
 

@@ -150,6 +150,12 @@ def load_reward_fn(path: str | None, name: str = "compute_score"):
     return getattr(module, name)
 
 
+def score_responses(reward_fn, rows: list[dict], texts: list[str]) -> list[float]:
+    """The reward of each decoded response texts[b] to its prompt row rows[b] (an RLDataset item), checked."""
+    return [checked_score(reward_fn(r["data_source"], t, r["ground_truth"], r["extra_info"]), reward_fn, r)
+            for r, t in zip(rows, texts)]
+
+
 def checked_score(value, reward_fn, row: dict) -> float:
     """A reward function's answer as a float, or an error naming the function, the data_source, the prompt's file
     and row, and the value. A dict is read at "score" (verl's reward functions may return {"score": x, ...});
