@@ -343,8 +343,8 @@ def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir
                 if val_rows:
                     record["val/accuracy"] = greedy_accuracy(model, tokenizer, val_rows, max_new, reward_fn)
                 history.append(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", **{"acc": f"{record['val/accuracy']:.3f}"} if val_rows else {})
                 merit = record["val/accuracy"] if val_rows else -record["loss"]
+                bar.set_postfix(loss=f"{record['loss']:.3f}", **{"acc": f"{merit:.3f}"} if val_rows else {})
                 if phase == "sft" and (best is None or merit >= best[0]):
                     best = (merit, record)
                     save_model(model, tokenizer, tmp)
@@ -360,8 +360,9 @@ def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir
         steps += fit(habit_pairs, cfg.habit_steps, 0.0, "sft on the sloppy teacher")
         kept = history[-1]
         save_model(model, tokenizer, tmp)
-    result = {"steps": steps, "best_phase": kept["phase"], "best_step": kept["step"], "val/accuracy": kept.get("val/accuracy"), "loss": kept["loss"],
-              "config": asdict(cfg), "data_sha256": data_sha256, "history": history}
+    result = {"steps": steps, "best_phase": kept["phase"], "best_step": kept["step"], "loss": kept["loss"],
+              "val/accuracy": kept.get("val/accuracy"), "config": asdict(cfg), "data_sha256": data_sha256,
+              "history": history}
     with open(os.path.join(tmp, RESULT), "w") as f:
         json.dump(result, f, indent=1)
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -416,19 +417,19 @@ def run(cfg: SFTConfig) -> str:
     """Train as configured and return the model folder: exactly cfg.out_dir, or the cache folder of this config;
     a finished run of the same config on the same data is reused."""
     config = json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "out_dir"}))  # as RESULT stores it
-    out_dir = cfg.out_dir or os.path.join(CACHE, hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10])
-    out_dir = os.path.expanduser(out_dir)
+    key = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
+    out_dir = os.path.expanduser(cfg.out_dir or os.path.join(CACHE, key))
     train_files, val_files = cfg.train_files, cfg.val_files
     if train_files is None:  # the built-in task (its held-out set too, unless val_files names one)
         default_train, default_val = builtin_files(cfg, out_dir + ".data")
         train_files, val_files = default_train, val_files or default_val
-    files = train_files.split(",") + (val_files.split(",") if val_files else [])
-    for path in files:
+    files = {"train_files": train_files.split(","), "val_files": val_files.split(",") if val_files else []}
+    for field, path in ((field, path) for field, paths in files.items() for path in paths):
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{'train_files' if path in train_files.split(',') else 'val_files'}: {path} not found")
-    data_hash = data_sha256(files)
+            raise FileNotFoundError(f"{field}: {path} not found")
+    data_hash = data_sha256(files["train_files"] + files["val_files"])
     if cached(out_dir, config, data_hash):
-        print(f"warm start cached at {out_dir} (same config and data)")
+        print(f"{out_dir} already holds this SFT (same config, same data): reused")
         return out_dir
     if cfg.model_path is None:
         tokenizer = build_byte_tokenizer()
@@ -448,9 +449,15 @@ def run(cfg: SFTConfig) -> str:
     result = train(cfg, model, tokenizer, pairs, val_rows, out_dir, habit_pairs,
                    load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name), data_hash)
     score = f"held-out accuracy {result['val/accuracy']:.3f}" if val_rows else f"training loss {result['loss']:.4f}"
-    print(f"SFT ran {result['steps']} steps; kept {result['best_phase']!r} step {result['best_step']} ({score}) -> {out_dir}")
+    print(f"SFT ran {result['steps']} steps; kept {result['best_phase']!r} step {result['best_step']} ({score}) "
+          f"-> {out_dir}")
     return out_dir
 
 
+HELP = """Where to start: `python sft.py` builds the built-in tiny policy and warm-starts it on the arithmetic task
+(cached). Your own task: --train-files (prompt/response parquet), --response-key (if not found), --val-files and
+--reward-fn-path (scored as in RL), --out-dir (then: grpo.py --model-path OUT_DIR); the README's "Your own data"
+shows the whole path. Every field follows."""
+
 if __name__ == "__main__":
-    run(tyro.cli(SFTConfig))
+    run(tyro.cli(SFTConfig, description=HELP))

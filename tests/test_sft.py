@@ -142,7 +142,7 @@ def test_saved_in_exactly_out_dir_and_reused_until_the_data_changes(small_task, 
     files = set(os.listdir(cfg.out_dir))
     assert {"config.json", "model.safetensors", "tokenizer.json", "sft_result.json"} <= files, files
     stamp = os.path.getmtime(os.path.join(cfg.out_dir, "model.safetensors"))
-    assert run(cfg) == cfg.out_dir and "cached" in capsys.readouterr().out  # same config, same data: reused
+    assert run(cfg) == cfg.out_dir and "already holds this SFT" in capsys.readouterr().out  # same config and data
     assert os.path.getmtime(os.path.join(cfg.out_dir, "model.safetensors")) == stamp
     rows = pd.read_parquet(cfg.train_files)
     rows.iloc[:8].to_parquet(cfg.train_files)  # the same file name, other rows
