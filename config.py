@@ -282,7 +282,7 @@ class Config:
                              f"{self.lr_warmup_steps_ratio} and min_lr_ratio={self.min_lr_ratio} in [0, 1]")
         if self.weight_decay < 0 or self.kl_loss_coef < 0:
             raise ValueError(f"weight_decay={self.weight_decay} and kl_loss_coef={self.kl_loss_coef} must be >= 0")
-        self._check_paths()
+        check_paths(self)
         if self.adv_estimator == "rloo" and self.rollout_n < 2:
             raise ValueError(f"rollout_n={self.rollout_n}: rloo's leave-one-out baseline needs >= 2 samples a prompt")
 
@@ -313,21 +313,28 @@ class Config:
                 raise ValueError(f"old_log_probs='update' takes them from one optimizer step on the sampling weights: "
                                  f"{'; '.join(wrong)}; or use 'recompute' / 'rollout'")
 
-    def _check_paths(self) -> None:
-        """Named files and folders must exist: found out here, before any model or engine starts."""
-        for name in ("model_path", "critic_model_path"):
-            path = getattr(self, name)
-            if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
-                raise FileNotFoundError(f"{name}={path}: not an HF model folder (no config.json there); give a local "
-                                        "folder that from_pretrained reads (this project downloads nothing)")
-        for name in ("train_files", "val_files"):
-            for path in filter(None, (getattr(self, name) or "").split(",")):
-                if not os.path.isfile(path):
-                    raise FileNotFoundError(f"{name}: no such parquet file {path}")
-        if self.reward_fn_path is not None and not os.path.isfile(self.reward_fn_path):
-            raise FileNotFoundError(f"reward_fn_path={self.reward_fn_path}: no such file")
-
     @property
     def use_reference(self) -> bool:
         """A frozen reference policy is loaded for the KL loss or the in-reward KL penalty."""
         return self.use_kl_loss or self.use_kl_in_reward
+
+
+def check_paths(cfg) -> None:
+    """The files and folders a config (Config or sft.SFTConfig) names must exist: found out before any model or engine
+    starts."""
+    for name in ("model_path", "critic_model_path"):
+        path = getattr(cfg, name, None)
+        if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{name}={path}: not an HF model folder (no config.json there); give a local "
+                                    "folder that from_pretrained reads (this project downloads nothing)")
+    for name in ("train_files", "val_files"):
+        for path in split_files(getattr(cfg, name)):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{name}: no such parquet file {path}")
+    if cfg.reward_fn_path is not None and not os.path.isfile(cfg.reward_fn_path):
+        raise FileNotFoundError(f"reward_fn_path={cfg.reward_fn_path}: no such file")
+
+
+def split_files(files: str | None) -> list[str]:
+    """A comma-separated file list as paths (None or "" -> [], empty items and spaces dropped)."""
+    return [f.strip() for f in (files or "").split(",") if f.strip()]

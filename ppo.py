@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoTokenizer
 from batching import balance_ranks, flops_workload
 from comm import (Dist, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics, shutdown, timer,
                   watch_ranks)
-from config import START_HERE, Config
+from config import START_HERE, Config, split_files
 from core_algos import compute_advantages, kl_in_reward, last_token, overlong_penalty, rollout_mask, update_kl_coef
 from data import RLDataset, load_reward_fn, score_responses
 from fileio import write_atomic
@@ -361,8 +361,8 @@ def make_run(cfg: Config, model_path: str, train_files: str, val_files: str, act
              critic: CriticWorker | None, ctl: SPMD) -> Run:
     """The Run around built workers: the policy's tokenizer, the reward function, the prompts (checked)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_ds = RLDataset(train_files.split(","), tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
-    val_ds = RLDataset(val_files.split(","), tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
+    train_ds = RLDataset(split_files(train_files), tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
+    val_ds = RLDataset(split_files(val_files), tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
     val_rows = [val_ds[i] for i in range(min(cfg.val_size, len(val_ds)))]
     if len(train_ds) < cfg.train_batch_size:
         raise ValueError(f"train_files={train_files} hold {len(train_ds)} prompts < "

@@ -16,27 +16,32 @@ carries, so RL has a behaviour to select (as RL on an LLM sharpens what the base
 The SFT data is a parquet of (prompt, response) rows. The prompt is a chat list or a plain string; the
 response is the column `response_key` names (a dotted path reads into a dict column, e.g. extra_info.answer).
 Left unset, the keys are found as RESPONSE_KEYS / PROMPT_KEYS list them (verl's and TRL's layouts), or a
-`messages` chat column whose last turn is the response. The loss covers response tokens (and the closing EOS).
+`messages` chat column whose last turn is the response (earlier turns, assistant ones too, are the prompt). A
+response may also be one assistant message (TRL's conversational completion). The loss covers response tokens
+(and the closing EOS).
 
 Evaluation is the RL run's: greedy decoding on `val_files` (verl's RL schema), scored by the same reward
 dispatch (`reward_fn_path`, else the built-in verifier of each row's data_source). The best evaluation's model
 is the one saved (the lowest training loss between evaluations when there is no val set), in exactly
-`out_dir`, with `sft_result.json` (config, a hash of the data files, history). A second run with the same
-config and data reuses it; changed data or config trains again.
+`out_dir`, with `sft_result.json` (config, a hash of the data and reward files, history). A second run with the
+same config and inputs reuses it; changed data, reward file or config trains again (the base model folder is
+named in the config, not hashed).
 """
 
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
 from dataclasses import asdict, dataclass
 
-import pandas as pd
+import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 import tyro
-from data import RLDataset, default_compute_score, load_reward_fn, score_responses, tokenize_prompt
+from config import check_paths, split_files
+from data import RLDataset, default_compute_score, is_message, load_reward_fn, score_responses, tokenize_prompt
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -45,7 +50,7 @@ from transformers import logging as hf_logging
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
 # One turn is <|role|>content<|end|>; generation starts after <|assistant|> and stops at <|end|> (the EOS).
 CACHE = "~/.cache/nanoverl/warmstart"  # where out_dir=None puts a run, in a folder named by its config's hash
-RESULT = "sft_result.json"  # written last into a finished model folder: config, data hash, history
+RESULT = "sft_result.json"  # written last into a finished model folder: config, inputs' hash, history
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
@@ -65,8 +70,9 @@ class SFTConfig:
     """Column holding the prompt (a chat list of {role, content} or a plain user string); None: the first of
     PROMPT_KEYS the file has."""
     response_key: str | None = None
-    """Column holding the target response; a dotted path reads into a dict column (extra_info.answer). None: the
-    first of RESPONSE_KEYS the file has, or the last turn of a `messages` chat column."""
+    """Column holding the target response (a string, or one assistant message); a dotted path reads into a dict
+    column (extra_info.answer). None: the first of RESPONSE_KEYS the file has, or the last turn of a `messages`
+    chat column (only that turn is trained)."""
     reward_fn_path: str | None = None
     """Python file with the reward function that scores evaluations (as in RL); None: the built-in verifier of each
     row's data_source."""
@@ -125,8 +131,9 @@ class SFTConfig:
             raise ValueError("batch_size, max_steps and eval_every must be >= 1")
         if self.habit_steps < 0:
             raise ValueError(f"habit_steps={self.habit_steps} must be >= 0 (0: no sloppy-teacher phase)")
-        if self.reward_fn_path is not None and not os.path.isfile(self.reward_fn_path):
-            raise FileNotFoundError(f"reward_fn_path={self.reward_fn_path}: no such file")
+        if self.eval_size < 1:
+            raise ValueError(f"eval_size={self.eval_size} must be >= 1")
+        check_paths(self)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -208,13 +215,14 @@ def sft_keys(row: dict, path: str, prompt_key: str | None, response_key: str | N
     return keys[0], keys[1]
 
 
-def read_sft_rows(files: str, prompt_key: str | None = None, response_key: str | None = None) -> list[tuple[list, str]]:
-    """(chat prompt, response text) pairs from parquet; a missing column or field names the file and row."""
+def read_sft_rows(files: str, prompt_key: str | None = None, response_key: str | None = None) -> list[tuple]:
+    """(chat prompt, response text, "file row i") for each row of the parquet files; a missing or malformed field
+    names the file and row."""
     pairs = []
-    for path in files.split(","):
+    for path in split_files(files):
         if not os.path.exists(path):
             raise FileNotFoundError(f"SFT file not found: {path}")
-        rows = pd.read_parquet(path).to_dict("records")
+        rows = pq.read_table(path).to_pylist()  # plain python values: a null stays None (pandas makes it NaN)
         if not rows:
             raise ValueError(f"{path}: no rows")
         pkey, rkey = sft_keys(rows[0], path, prompt_key, response_key)
@@ -225,34 +233,41 @@ def read_sft_rows(files: str, prompt_key: str | None = None, response_key: str |
     return pairs
 
 
-def sft_pair(row: dict, prompt_key: str, response_key: str, where: str) -> tuple[list[dict], str]:
-    """One row's (chat prompt, response text)."""
+def sft_pair(row: dict, prompt_key: str, response_key: str, where: str) -> tuple[list[dict], str, str]:
+    """One row's (chat prompt, response text, where)."""
     try:
         if prompt_key == response_key == MESSAGES:
-            chat = [dict(m) for m in row[MESSAGES]]
-            if len(chat) < 2 or chat[-1].get("role") != "assistant":
-                raise ValueError(f"{where}: {MESSAGES!r} must end with an assistant turn after the prompt, "
-                                 f"got {chat!r:.200}")
-            return chat[:-1], str(chat[-1]["content"])
-        prompt, response = lookup(row, prompt_key), lookup(row, response_key)
+            prompt, response = row[MESSAGES][:-1], row[MESSAGES][-1:]  # the last turn: a one-message completion
+        else:
+            prompt, response = lookup(row, prompt_key), lookup(row, response_key)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{where}: missing field {e} (prompt_key={prompt_key!r}, response_key={response_key!r})") \
             from None
-    if response is None:
-        raise ValueError(f"{where}: response_key={response_key!r} is empty (None)")
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    return [dict(m) for m in prompt], str(response)
+    if isinstance(response, list) and len(response) == 1 and is_message(response[0]) \
+            and response[0]["role"] == "assistant":  # TRL's conversational completion, or a chat's last turn
+        response = response[0]["content"]
+    if isinstance(response, int) and not isinstance(response, bool):  # an integer answer column
+        response = str(response)
+    if not isinstance(prompt, list) or not prompt or not all(is_message(m) for m in prompt):
+        raise ValueError(f"{where}: the prompt ({prompt_key!r}) must be a string or a non-empty chat list of "
+                         f"{{'role': str, 'content': str}}, got {prompt!r:.200}")
+    if not isinstance(response, str):
+        raise ValueError(f"{where}: the response ({response_key!r}) must be a string or one assistant message, "
+                         f"got {response!r:.200}")
+    return [dict(m) for m in prompt], response, where
 
 
 def encode_pairs(tokenizer, pairs, max_length: int) -> list[tuple[list[int], int]]:
-    """Each pair -> (prompt + response + EOS ids, prompt length)."""
+    """Each (prompt, response, where) -> (prompt + response + EOS ids, prompt length)."""
     out = []
-    for i, (prompt, response) in enumerate(pairs):
+    for prompt, response, where in pairs:
         p = tokenize_prompt(tokenizer, prompt)
         r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         if len(p) + len(r) > max_length:
-            raise ValueError(f"SFT row {i} has {len(p) + len(r)} tokens > max_length={max_length}")
+            raise ValueError(f"{where}: {len(p)} prompt + {len(r)} response tokens > max_length={max_length} "
+                             "(raise --max-length)")
         out.append((p + r, len(p)))
     return out
 
@@ -261,11 +276,13 @@ def collate(examples, pad_id: int):
     """Right-padded input_ids [B, T], attention_mask [B, T], and labels [B, T] (-100 off the response)."""
     T = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), T), pad_id)  # [B, T]
+    attention_mask = torch.zeros_like(input_ids)  # [B, T] from the lengths: a pad id may also be a real token (EOS)
     labels = torch.full((len(examples), T), -100)  # [B, T]
     for b, (ids, plen) in enumerate(examples):
         input_ids[b, : len(ids)] = torch.tensor(ids)
+        attention_mask[b, : len(ids)] = 1
         labels[b, plen : len(ids)] = torch.tensor(ids[plen:])
-    return input_ids, (input_ids != pad_id).long(), labels
+    return input_ids, attention_mask, labels
 
 
 def sft_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
@@ -287,8 +304,9 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, rew
     prompts = [r["prompt_ids"] for r in rows]
     T = max(map(len, prompts))
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (T - len(p)) + p for p in prompts])  # [B, T]
+    attention_mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])  # [B, T]
     out = model.generate(
-        input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(), do_sample=False,
+        input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
         max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # [B, T + new]
     texts = tokenizer.batch_decode(out[:, T:], skip_special_tokens=True)
@@ -303,14 +321,14 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, rew
 
 
 def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir: str, habit_pairs=None,
-          reward_fn=default_compute_score, data_sha256: str | None = None) -> dict:
+          reward_fn=default_compute_score, inputs_hash: str | None = None) -> dict:
     """AdamW on the response loss, evaluating every eval_every steps, until stop_accuracy (or max_steps); the best
     evaluation's model (held-out accuracy, or the training loss since the previous evaluation without val_rows)
     is the one saved to out_dir. Given habit_pairs (the built-in task's sloppy teacher), habit_steps more on those
     follow from the best model, and their last step is saved (the habit lowers accuracy on purpose). out_dir gets
-    RESULT too: the history, the config and data_sha256 (what a later run compares to reuse it)."""
+    RESULT too: the history, the config and inputs_hash (what a later run compares to reuse it)."""
     random.seed(cfg.seed)
-    lengths = [len(tokenizer(r)["input_ids"]) for _, r in pairs] + [
+    lengths = [len(tokenizer(r)["input_ids"]) for _, r, _ in pairs] + [
         len(tokenizer(r["ground_truth"])["input_ids"]) for r in val_rows]
     max_new = max(lengths) + 4  # room for the longest answer and its EOS
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -345,7 +363,7 @@ def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir
                 history.append(record)
                 merit = record["val/accuracy"] if val_rows else -record["loss"]
                 bar.set_postfix(loss=f"{record['loss']:.3f}", **{"acc": f"{merit:.3f}"} if val_rows else {})
-                if phase == "sft" and (best is None or merit >= best[0]):
+                if phase == "sft" and math.isfinite(merit) and (best is None or merit >= best[0]):
                     best = (merit, record)
                     save_model(model, tokenizer, tmp)
                 if val_rows and stop_accuracy and record["val/accuracy"] >= stop_accuracy:
@@ -353,6 +371,8 @@ def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir
         return step
 
     steps = fit(pairs, cfg.max_steps, cfg.stop_accuracy, "sft")
+    if best is None:
+        raise ValueError(f"SFT on {cfg.train_files}: no evaluation had a finite loss (lower --lr?); nothing saved")
     kept = best[1]
     if habit_pairs and cfg.habit_steps:
         if kept is not history[-1]:  # go on from the best model, not the last
@@ -361,12 +381,16 @@ def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir
         kept = history[-1]
         save_model(model, tokenizer, tmp)
     result = {"steps": steps, "best_phase": kept["phase"], "best_step": kept["step"], "loss": kept["loss"],
-              "val/accuracy": kept.get("val/accuracy"), "config": asdict(cfg), "data_sha256": data_sha256,
+              "val/accuracy": kept.get("val/accuracy"), "config": asdict(cfg), "inputs_sha256": inputs_hash,
               "history": history}
     with open(os.path.join(tmp, RESULT), "w") as f:
         json.dump(result, f, indent=1)
-    shutil.rmtree(out_dir, ignore_errors=True)
+    old = out_dir + ".old"  # the previous result, set aside until the new one is in place
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(out_dir):
+        os.replace(out_dir, old)
     os.replace(tmp, out_dir)  # a half-trained model never sits at out_dir
+    shutil.rmtree(old, ignore_errors=True)
     return result
 
 
@@ -384,18 +408,19 @@ def builtin_files(cfg: SFTConfig, root: str) -> tuple[str, str]:
                                      operands=cfg.arith_operands, teacher_slip=cfg.teacher_slip))
 
 
-def data_sha256(files: list[str]) -> str:
-    """One hash of the files' bytes, in order: changed data is never mistaken for the cached run's."""
+def inputs_sha256(paths: list[str]) -> str:
+    """One hash of the files' bytes, in order (the data files and the reward file): changed inputs are never
+    mistaken for the finished run's."""
     digest = hashlib.sha256()
-    for path in files:
+    for path in paths:
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
 
 
-def cached(out_dir: str, config: dict, data_hash: str) -> bool:
-    """True when out_dir holds a finished SFT of this config on this data; an out_dir that is not an SFT result
+def cached(out_dir: str, config: dict, inputs_hash: str) -> bool:
+    """True when out_dir holds a finished SFT of this config on these inputs; an out_dir that is not an SFT result
     is refused, so a user's folder is never replaced."""
     path = os.path.join(out_dir, RESULT)
     if not os.path.exists(path):
@@ -406,30 +431,29 @@ def cached(out_dir: str, config: dict, data_hash: str) -> bool:
     with open(path) as f:
         old = json.load(f)
     changed = [k for k, v in config.items() if old.get("config", {}).get(k) != v]
-    if old.get("data_sha256") == data_hash and not changed:
+    if old.get("inputs_sha256") != inputs_hash:
+        changed.insert(0, "data or reward files")
+    if not changed:
         return True
-    what = (["the data files"] if old.get("data_sha256") != data_hash else []) + changed
-    print(f"{out_dir} was trained with other {', '.join(what)}: training again")
+    print(f"{out_dir} was trained with other {', '.join(changed)}: training again")
     return False
 
 
 def run(cfg: SFTConfig) -> str:
     """Train as configured and return the model folder: exactly cfg.out_dir, or the cache folder of this config;
-    a finished run of the same config on the same data is reused."""
+    a finished run of the same config on the same inputs is reused."""
     config = json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "out_dir"}))  # as RESULT stores it
     key = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
-    out_dir = os.path.expanduser(cfg.out_dir or os.path.join(CACHE, key))
-    train_files, val_files = cfg.train_files, cfg.val_files
-    if train_files is None:  # the built-in task (its held-out set too, unless val_files names one)
+    # normpath: "out/sft/" must not put the .tmp and .data folders inside out/sft
+    out_dir = os.path.normpath(os.path.expanduser(cfg.out_dir or os.path.join(CACHE, key)))
+    train_files, val_files = split_files(cfg.train_files), split_files(cfg.val_files)
+    builtin = not train_files
+    if builtin:  # the built-in task (its held-out set too, unless val_files names one)
         default_train, default_val = builtin_files(cfg, out_dir + ".data")
-        train_files, val_files = default_train, val_files or default_val
-    files = {"train_files": train_files.split(","), "val_files": val_files.split(",") if val_files else []}
-    for field, path in ((field, path) for field, paths in files.items() for path in paths):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{field}: {path} not found")
-    data_hash = data_sha256(files["train_files"] + files["val_files"])
-    if cached(out_dir, config, data_hash):
-        print(f"{out_dir} already holds this SFT (same config, same data): reused")
+        train_files, val_files = [default_train], val_files or [default_val]
+    inputs_hash = inputs_sha256(train_files + val_files + [cfg.reward_fn_path] * bool(cfg.reward_fn_path))
+    if cached(out_dir, config, inputs_hash):
+        print(f"{out_dir} already holds this SFT (same config, same inputs): reused")
         return out_dir
     if cfg.model_path is None:
         tokenizer = build_byte_tokenizer()
@@ -437,17 +461,24 @@ def run(cfg: SFTConfig) -> str:
     else:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype=torch.float32)
+        if tokenizer.pad_token_id is None:  # Llama-style tokenizers have none; the masks come from lengths anyway
+            tokenizer.pad_token = tokenizer.eos_token
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    pairs = read_sft_rows(train_files, cfg.prompt_key, cfg.response_key)
+    pairs = read_sft_rows(",".join(train_files), cfg.prompt_key, cfg.response_key)
     habit_pairs = None
-    if cfg.train_files is None and cfg.teacher_slip:  # the built-in task's second phase: the sloppy teacher
-        habit_pairs = read_sft_rows(train_files, "prompt", "extra_info.teacher_answer")
+    if builtin and cfg.teacher_slip:  # the built-in task's second phase: the sloppy teacher
+        habit_pairs = read_sft_rows(train_files[0], "prompt", "extra_info.teacher_answer")
     val_rows = []
     if val_files:  # schema-checked RL prompts, as the RL run reads them
-        val_ds = RLDataset(val_files.split(","), tokenizer, cfg.max_length)
+        try:
+            val_ds = RLDataset(val_files, tokenizer, cfg.max_length)
+        except ValueError as e:
+            raise ValueError(f"{e} [sft.py: the limit is --max-length]") from None
+        if not len(val_ds):
+            raise ValueError(f"val_files={','.join(val_files)}: no rows to evaluate on")
         val_rows = [val_ds[i] for i in range(min(cfg.eval_size, len(val_ds)))]
     result = train(cfg, model, tokenizer, pairs, val_rows, out_dir, habit_pairs,
-                   load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name), data_hash)
+                   load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name), inputs_hash)
     score = f"held-out accuracy {result['val/accuracy']:.3f}" if val_rows else f"training loss {result['loss']:.4f}"
     print(f"SFT ran {result['steps']} steps; kept {result['best_phase']!r} step {result['best_step']} ({score}) "
           f"-> {out_dir}")

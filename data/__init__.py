@@ -46,7 +46,7 @@ def _check_row(row: dict, where: str) -> None:
     if not isinstance(row["data_source"], str):
         raise ValueError(f"{where}: field 'data_source' must be a string, got {row['data_source']!r:.200}")
     prompt = row["prompt"]
-    if not isinstance(prompt, list) or not prompt or not all(_is_message(m) for m in prompt):
+    if not isinstance(prompt, list) or not prompt or not all(is_message(m) for m in prompt):
         raise ValueError(
             f"{where}: field 'prompt' must be a non-empty list of {{'role': str, 'content': str}}, got {prompt!r:.200}"
         )
@@ -55,7 +55,8 @@ def _check_row(row: dict, where: str) -> None:
         raise ValueError(f"{where}: field 'reward_model' needs a string 'ground_truth', got {reward_model!r:.200}")
 
 
-def _is_message(message) -> bool:
+def is_message(message) -> bool:
+    """A chat message: {"role": str, "content": str}."""
     return (
         isinstance(message, dict)
         and isinstance(message.get("role"), str)

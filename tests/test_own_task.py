@@ -58,7 +58,7 @@ def test_own_task_warm_start_then_grpo(tmp_path):
     assert 0.1 <= result["val/accuracy"] <= 0.9  # the habit: greedy is right on some held-out words, not most
     assert result["val/accuracy"] == max(h["val/accuracy"] for h in result["history"])  # the best one kept
     cfg = Config(model_path=warm, train_files=files["train"], val_files=files["val"], reward_fn_path=files["reward"],
-                 total_steps=10, eval_every=5, out_dir=str(tmp_path / "rl"))
+                 adv_estimator="grpo", total_steps=10, eval_every=5, out_dir=str(tmp_path / "rl"))  # grpo.py's run
     records = train_rl(cfg)
     accuracy = [r["val/accuracy"] for r in records if "val/accuracy" in r]  # steps 0, 5, 10
     # the RL run scores the warm start as sft.py did: the same reward dispatch (vLLM's greedy instead of HF's)

@@ -18,9 +18,11 @@ import sft
 from sft import SFTConfig, build_tiny_qwen2, greedy_accuracy, read_sft_rows, run, train
 
 
-@pytest.mark.parametrize("field, value", [("stop_accuracy", 1.5), ("teacher_slip", -0.1), ("habit_steps", -1)])
+@pytest.mark.parametrize("field, value", [("stop_accuracy", 1.5), ("teacher_slip", -0.1), ("habit_steps", -1),
+                                          ("eval_size", 0), ("reward_fn_path", "no/such/reward.py"),
+                                          ("train_files", "no/such.parquet")])
 def test_sft_config_rejects(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises((ValueError, FileNotFoundError), match=field):
         SFTConfig(**{field: value})
 
 
@@ -66,7 +68,8 @@ def test_read_sft_rows_finds_verls_layouts(tmp_path, columns, found, capsys):
     path = str(tmp_path / "sft.parquet")
     pd.DataFrame(columns).to_parquet(path)
     pairs = read_sft_rows(path)
-    assert pairs == [([{"role": "user", "content": "1+2="}], "three" if "response" in columns else "3")]
+    assert pairs == [([{"role": "user", "content": "1+2="}], "three" if "response" in columns else "3",
+                      f"{path} row 0")]
     said = capsys.readouterr().out
     assert all(f"'{key}'" in said for key in found.split("/")), said  # it says where it read them
 
@@ -77,7 +80,7 @@ def test_read_sft_rows_without_a_known_response_column_names_the_flag(tmp_path):
     with pytest.raises(ValueError, match=r"sft.parquet: no column among response, answer.*its columns: prompt, target"
                                          r".*--response-key"):
         read_sft_rows(path)
-    assert read_sft_rows(path, response_key="target") == [([{"role": "user", "content": "1+2="}], "3")]
+    assert read_sft_rows(path, response_key="target") == [([{"role": "user", "content": "1+2="}], "3", f"{path} row 0")]
 
 
 @pytest.fixture
@@ -138,7 +141,8 @@ def test_without_val_the_lowest_training_loss_is_kept(small_task, monkeypatch, t
 
 def test_saved_in_exactly_out_dir_and_reused_until_the_data_changes(small_task, capsys):
     cfg = replace(small_task, max_steps=20)
-    assert run(cfg) == cfg.out_dir
+    assert run(replace(cfg, out_dir=cfg.out_dir + "/")) == cfg.out_dir  # a trailing slash names the same folder
+    first = json.load(open(os.path.join(cfg.out_dir, "sft_result.json")))
     files = set(os.listdir(cfg.out_dir))
     assert {"config.json", "model.safetensors", "tokenizer.json", "sft_result.json"} <= files, files
     stamp = os.path.getmtime(os.path.join(cfg.out_dir, "model.safetensors"))
@@ -147,11 +151,20 @@ def test_saved_in_exactly_out_dir_and_reused_until_the_data_changes(small_task, 
     rows = pd.read_parquet(cfg.train_files)
     rows.iloc[:8].to_parquet(cfg.train_files)  # the same file name, other rows
     run(cfg)
-    assert "trained with other the data files: training again" in capsys.readouterr().out
+    assert "trained with other data or reward files: training again" in capsys.readouterr().out
     result = json.load(open(os.path.join(cfg.out_dir, "sft_result.json")))
-    assert result["data_sha256"] != "" and os.path.getmtime(os.path.join(cfg.out_dir, "model.safetensors")) > stamp
+    assert result["inputs_sha256"] == sft.inputs_sha256([cfg.train_files, cfg.val_files]) != first["inputs_sha256"]
+    assert os.path.getmtime(os.path.join(cfg.out_dir, "model.safetensors")) > stamp
     run(replace(cfg, lr=1e-3))
     assert "trained with other lr: training again" in capsys.readouterr().out
+    reward = os.path.join(os.path.dirname(cfg.train_files), "reward.py")
+    open(reward, "w").write("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                            "    return 0.0\n")
+    run(replace(cfg, lr=1e-3, reward_fn_path=reward))  # a new reward file: the config changed
+    capsys.readouterr()
+    open(reward, "a").write("# edited\n")  # the same path, other contents
+    run(replace(cfg, lr=1e-3, reward_fn_path=reward))
+    assert "trained with other data or reward files: training again" in capsys.readouterr().out
 
 
 def test_a_folder_sft_did_not_write_is_never_replaced(small_task):
@@ -160,3 +173,30 @@ def test_a_folder_sft_did_not_write_is_never_replaced(small_task):
     with pytest.raises(FileExistsError, match="holds files but no sft_result.json"):
         run(small_task)
     assert open(os.path.join(small_task.out_dir, "notes.txt")).read() == "mine"
+
+
+@pytest.mark.parametrize("columns, error", [
+    ({"prompt": ["1+2=", "2+2="], "response": ["3", None]}, r"row 1: the response \('response'\) must be a string"),
+    ({"prompt": [{"text": "1+2="}], "answer": ["3"]}, r"row 0: the prompt \(.prompt.\) must be a string or a non-empty"),
+    ({"prompt": ["1+2="], "answer": [3.0]}, r"row 0: the response \('answer'\) must be a string .* got 3.0"),
+])
+def test_a_malformed_sft_row_is_named(tmp_path, columns, error):
+    path = str(tmp_path / "sft.parquet")
+    pd.DataFrame(columns).to_parquet(path)
+    with pytest.raises(ValueError, match=error):
+        read_sft_rows(path)
+
+
+def test_trls_conversational_completion_and_integer_answers(tmp_path):
+    path = str(tmp_path / "sft.parquet")
+    chat = [{"role": "user", "content": "1+2="}]
+    pd.DataFrame({"prompt": [chat], "completion": [[{"role": "assistant", "content": "3"}]]}).to_parquet(path)
+    assert read_sft_rows(path)[0][:2] == (chat, "3")
+    pd.DataFrame({"question": ["1+2="], "answer": [3]}).to_parquet(path)
+    assert read_sft_rows(path)[0][:2] == (chat, "3")
+
+
+def test_an_empty_val_file_is_named_not_skipped(small_task):
+    pd.read_parquet(small_task.val_files).iloc[:0].to_parquet(small_task.val_files)
+    with pytest.raises(ValueError, match=r"val_files=.*val.parquet: no rows to evaluate on"):
+        run(small_task)
