@@ -11,7 +11,6 @@ This file splits, packs, unpacks and balances; it knows nothing about RL. The AP
     batch, metrics = balance_ranks(batch, seqlens, workloads, dist, unit=n)   # rows re-dealt across dp ranks
     batch, metrics = balance_whole(batch, seqlens, workloads, k, unit=n)      # the same, one process holding all
     parts = micro_batches(seqlens, max_tokens, dist)           # index lists, <= max_tokens each, same count on all ranks
-    out = map_micro_batches(fn, batch, parts)                   # fn on each micro-batch, rows back in batch order
     packed = pack(input_ids, attention_mask)                    # [b, T] -> one row [1, N], position_ids restart
     keep = (packed.where[:, -R - 1 : -1] >= 0) & response_mask  # [b, R]: the positions that predict response tokens
     values = unpack(per_token[packed.where[keep]], keep)        # [N, ...] -> [b, R, ...], 0 at padding
@@ -208,14 +207,6 @@ def micro_batches(seqlens: torch.Tensor, max_tokens: int, dist: Dist) -> list[li
         if counts["n/min"] == counts["n/max"]:
             return parts
         parts = split_by_tokens(lengths, max_tokens, min_count=int(counts["n/max"]))
-
-
-def map_micro_batches(fn: Callable[[TensorDict], torch.Tensor], batch: TensorDict,
-                      parts: list[list[int]]) -> torch.Tensor:
-    """fn on each micro-batch batch[part] ([b, ...] out), the results put back in batch's row order: [B, ...]."""
-    rows = torch.tensor([i for p in parts for i in p])  # [B], the order the micro-batches ran in
-    out = torch.cat([fn(batch[torch.tensor(p)]) for p in parts])  # [B, ...] in that order
-    return out[rows.argsort()]
 
 
 # ---------------------------------------------------------------------------------------------------

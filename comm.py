@@ -158,11 +158,19 @@ def shutdown(dist: Dist) -> None:
         tdist.destroy_process_group()
 
 
+def synchronize() -> None:
+    """Wait for this process's queued GPU work (kernels launch asynchronously); nothing to wait for on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @contextmanager
 def timer(name: str, metrics: dict):
-    """Wall time of the block, as metrics["timing_s/<name>"] (verl's metric names)."""
+    """Wall time of the block, as metrics["timing_s/<name>"] (verl's metric names), the block's GPU work included."""
+    synchronize()
     start = time.perf_counter()
     yield
+    synchronize()
     metrics[f"timing_s/{name}"] = time.perf_counter() - start
 
 

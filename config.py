@@ -6,8 +6,9 @@
 Invalid values and combinations are rejected here, naming the field, before anything heavy starts.
 """
 
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from core_algos import AdvEstimator, AggMode, KLKind
@@ -38,11 +39,11 @@ class Config:
     """A .py file holding a custom reward function (verl's custom_reward_function.path); None: built-in."""
     reward_fn_name: str = "compute_score"
     """Name of the function in reward_fn_path: (data_source, solution_str, ground_truth, extra_info)."""
-    max_prompt_length: int = 32
+    max_prompt_length: int = 512
     """Prompt tokens; a longer prompt is an error naming its row, unless truncate_prompts."""
     truncate_prompts: bool = False
     """Keep the last max_prompt_length tokens of long prompts (counted) instead of raising."""
-    max_response_length: int = 8
+    max_response_length: int = 1024
     """Generated tokens per response (the EOS included)."""
     # ---- rollout ----
     rollout_backend: Literal["vllm", "hf"] = "vllm"
@@ -58,6 +59,12 @@ class Config:
     gpu_memory_utilization: float = 0.5
     """GPU: the share of device memory the vLLM engine takes (weights + KV cache), colocated with the trainer, whose
     state it gets back in train mode. CPU: unused (the engine takes a 1 GiB KV cache)."""
+    rollout_tp: int = 1
+    """vLLM tensor parallelism (verl's tensor_model_parallel_size): groups of rollout_tp consecutive torchrun ranks
+    each run one engine sharded over them, generating the prompts of all its ranks; each rank keeps its own."""
+    cuda_graphs: bool = False
+    """GPU: let vLLM capture CUDA graphs (enforce_eager off): faster decoding, valid only while every weight sync
+    rewrites the engine's weights in place (see bench/gpu_smoke.py); off: eager, any reload is safe."""
     # ---- algorithm ----
     adv_estimator: AdvEstimator = "gae"
     """gae: PPO with a critic (python ppo.py's default); grpo (python grpo.py's), rloo, reinforce_plus_plus and
@@ -133,15 +140,15 @@ class Config:
     critic_model_path: str | None = None
     """HF model folder the critic starts from (its backbone; a new value head unless it has one); None: the
     policy's. It must share the policy's tokenizer."""
-    critic_lr: float = 1e-3
-    """Critic AdamW learning rate."""
+    critic_lr: float = 1e-5
+    """Critic AdamW learning rate (verl's; the built-in task's own is 1e-3, see BUILTIN_TASK)."""
     critic_warmup: int = 0
     """Steps at the start during which only the critic trains (the actor waits for useful values)."""
     cliprange_value: float = 0.5
     """The new value may move at most this far from the old one before its loss stops pulling (value clipping)."""
     # ---- optimisation ----
-    lr: float = 2e-4
-    """Actor AdamW learning rate."""
+    lr: float = 1e-6
+    """Actor AdamW learning rate (verl's; the built-in task's own is 2e-4, see BUILTIN_TASK)."""
     lr_warmup_steps: int = -1
     """Updates over which the learning rates (actor and critic) rise linearly to lr; -1: lr_warmup_steps_ratio of
     total_steps. One update is one RL step's update of that model (verl's lr_warmup_steps)."""
@@ -155,24 +162,25 @@ class Config:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Max global grad norm; a non-finite norm skips the optimizer step."""
-    train_batch_size: int = 32
+    train_batch_size: int = 1024
     """Prompts per RL step (each sampled n times)."""
-    ppo_mini_batch_size: int = 8
+    ppo_mini_batch_size: int = 256
     """Prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per epoch."""
-    ppo_micro_batch_size: int = 64
-    """Sequences per forward/backward pass (gradient accumulation), actor and critic; also the log-prob and
-    value passes' size. On CPU keep a micro-batch near 2k tokens: at 25M parameters 16 x 137 tokens updated 1.4x
-    faster than 64 x 137, whose large temporaries glibc maps afresh at every call (a plain HF update timed once
-    by a scratch script; bench/step.py runs 16)."""
+    ppo_micro_batch_size: int = 16
+    """Sequences per forward/backward pass of an update (gradient accumulation), actor and critic, per device. On
+    CPU keep a micro-batch near 2k tokens (bench/step.py runs 16 sequences of 137 tokens)."""
     use_dynamic_bsz: bool = False
     """Micro-batches by token budget (ppo_max_token_len_per_gpu) instead of ppo_micro_batch_size sequences;
     the same gradient, less padding (batching.py)."""
     ppo_max_token_len_per_gpu: int = 16384
     """use_dynamic_bsz: most real tokens (prompt + response) in one update micro-batch on one rank; a longer
     sequence gets a micro-batch of its own (actor/over_budget_seqs counts them)."""
-    log_prob_max_token_len_per_gpu: int | None = None
-    """use_dynamic_bsz: the token budget of the passes without gradients (old and reference log-probs, and the
-    critic's values: no activations kept, so it may be larger); None: ppo_max_token_len_per_gpu."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Most real tokens in one micro-batch of the passes without gradients (old and reference log-probs, the critic's
+    values), always by token budget: they keep no activations, and the logits exist a chunk at a time."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (actor and critic; verl's
+    enable_gradient_checkpointing): the update's memory no longer grows with layers x tokens."""
     use_remove_padding: bool = False
     """Pack each micro-batch into one row without padding, position_ids restarting per sequence; falls back to
     padded micro-batches, with a message, where the model's attention would let the sequences see each other."""
@@ -243,12 +251,10 @@ class Config:
             raise ValueError(f"ckpt_every={self.ckpt_every} must be >= 0 (0: no checkpoints)")
         if self.ppo_max_token_len_per_gpu < 1:
             raise ValueError(f"ppo_max_token_len_per_gpu={self.ppo_max_token_len_per_gpu} must be >= 1")
-        if not self.use_dynamic_bsz and self.log_prob_max_token_len_per_gpu is not None:
-            raise ValueError("log_prob_max_token_len_per_gpu applies only with use_dynamic_bsz (turn it on, or drop it)")
-        if self.use_dynamic_bsz and self.log_prob_max_token_len_per_gpu is None:
-            self.log_prob_max_token_len_per_gpu = self.ppo_max_token_len_per_gpu
-        if self.use_dynamic_bsz and self.log_prob_max_token_len_per_gpu < 1:
+        if self.log_prob_max_token_len_per_gpu < 1:
             raise ValueError(f"log_prob_max_token_len_per_gpu={self.log_prob_max_token_len_per_gpu} must be >= 1")
+        if self.rollout_tp < 1:
+            raise ValueError(f"rollout_tp={self.rollout_tp} must be >= 1")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (None: off)")
         self._check_old_log_probs()
@@ -319,14 +325,36 @@ class Config:
         return self.use_kl_loss or self.use_kl_in_reward
 
 
+# The built-in task's own values (a 1M-parameter policy, 2-digit sums, answers of a few tokens): a run without
+# --model-path applies them to every field it leaves at Config's default (verl's, for a real model).
+BUILTIN_TASK = dict(lr=2e-4, critic_lr=1e-3, max_prompt_length=32, max_response_length=8, train_batch_size=32,
+                    ppo_mini_batch_size=8, ppo_micro_batch_size=64, log_prob_max_token_len_per_gpu=2048)
+
+
+def builtin_task_values(cfg: Config) -> tuple[Config, dict]:
+    """(cfg with BUILTIN_TASK's value for each field left at its default, those values): the fields a user set keep
+    theirs."""
+    defaults = {f.name: f.default for f in fields(Config)}
+    applied = {k: v for k, v in BUILTIN_TASK.items() if getattr(cfg, k) == defaults[k]}
+    return replace(cfg, **applied), applied
+
+
 def check_paths(cfg) -> None:
     """The files and folders a config (Config or sft.SFTConfig) names must exist: found out before any model or engine
     starts."""
     for name in ("model_path", "critic_model_path"):
         path = getattr(cfg, name, None)
-        if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
+        if path is None:
+            continue
+        if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"{name}={path}: not an HF model folder (no config.json there); give a local "
                                     "folder that from_pretrained reads (this project downloads nothing)")
+        with open(os.path.join(path, "config.json")) as f:
+            positions = json.load(f).get("max_position_embeddings")
+        context = getattr(cfg, "max_prompt_length", 0) + getattr(cfg, "max_response_length", 0)  # RL configs only
+        if positions is not None and context > positions:
+            raise ValueError(f"max_prompt_length + max_response_length = {context} exceeds {name}'s "
+                             f"max_position_embeddings={positions}: lower them")
     for name in ("train_files", "val_files"):
         for path in split_files(getattr(cfg, name)):
             if not os.path.isfile(path):

@@ -18,6 +18,8 @@ import math
 from typing import Callable, Literal
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 AggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3", "low_var_kl", "mse"]
@@ -163,15 +165,57 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torc
     if kind in ("k2", "mse"):
         return 0.5 * log_ratio.square()
     if kind in ("k3", "low_var_kl"):  # ratio - 1 - log ratio with ratio = ref / policy: unbiased, >= 0
-        neg = -log_ratio
+        neg = (-log_ratio).clamp(-20.0, 20.0)  # as verl: a large gap must not overflow exp into inf, then NaN
         return (neg.exp() - 1.0 - neg).clamp(-10.0, 10.0)  # clamped as verl does, for stability
     raise ValueError(f"unknown kl_loss_type {kind!r}")
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) along the vocabulary: [..., V] -> [...]."""
-    probs = logits.softmax(-1)
-    return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+# ---------------------------------------------------------------------------------------------------
+# Token log-probs and entropy: the one function that computes them from logits (trainer, HF rollout, probes)
+# ---------------------------------------------------------------------------------------------------
+
+LOGITS_CHUNK_BYTES = 128 << 20  # float32 logits of one chunk of rows in head_log_probs
+
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                    with_entropy: bool = False, entropy_grad: bool = True):
+    """(log-prob [...] of targets [...] under softmax(logits [..., V] / temperature), its entropy [...] or None).
+
+    One float32 copy of the logits exists: the log-prob is the target's logit minus logsumexp (no [..., V]
+    log-softmax), and the entropy is logsumexp - sum p * logit. entropy_grad=False: the entropy is a metric, made
+    without autograd, so backward keeps no softmax for it."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [..., V]: bf16 up to fp32, fp64 stays
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, -1)  # [...]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # [...]
+    if not with_entropy:
+        return logp, None
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        entropy = lse - torch.einsum("...v,...v->...", logits.softmax(-1), logits)  # [...]
+    return logp, entropy
+
+
+def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                   temperature: float, with_entropy: bool = False, entropy_grad: bool = True,
+                   chunk_bytes: int = LOGITS_CHUNK_BYTES):
+    """token_log_probs of the LM head's logits (hidden [n, H] @ weight [V, H].T + bias) for targets [n], a chunk of
+    rows at a time, so that no [n, V] tensor exists (after verl's entropy_from_logits_with_chunking). Under autograd
+    each chunk is checkpointed: backward recomputes its logits (one more head matmul) instead of keeping them.
+    Returns ([n], [n] or None)."""
+    rows = max(1, chunk_bytes // (4 * weight.shape[0]))
+    logps, entropies = [], []
+    for h, t in zip(hidden.split(rows), targets.split(rows)):  # [c, H], [c]
+        def chunk(h, t):
+            logits = F.linear(h, weight, bias)  # [c, V]
+            return token_log_probs(logits, t, temperature, with_entropy, entropy_grad)
+
+        # nothing random inside: no RNG state to save and replay
+        logp, entropy = (checkpoint(chunk, h, t, use_reentrant=False, preserve_rng_state=False)
+                         if torch.is_grad_enabled() else chunk(h, t))
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies) if with_entropy else None
 
 
 # ---------------------------------------------------------------------------------------------------

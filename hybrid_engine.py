@@ -50,6 +50,7 @@ import torch.distributed as tdist
 from torch.distributed.tensor import DTensor, Shard
 
 from comm import Dist, timer
+from core_algos import token_log_probs
 from sharding import cast_dtype, full_weights, weight_groups
 
 MB, GB = 1 << 20, 1 << 30
@@ -172,8 +173,8 @@ class HybridEngine:
     def _trainer_probe(self) -> torch.Tensor:
         """The trainer's teacher-forced log-probs [N, T - 1] of the probe's tokens 1..T-1."""
         ids = self.probe.to(self.dist.device)  # [N, T]
-        logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # [N, T - 1, V]
-        return logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()  # [N, T - 1]
+        logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1]  # [N, T - 1, V]: a small probe
+        return token_log_probs(logits, ids[:, 1:])[0].cpu()  # [N, T - 1]
 
     def _verify(self, expected: dict[str, int], trainer: torch.Tensor, received: dict[str, int]) -> float:
         """(a) What the engine received equals the trainer's weights, parameter by parameter; (b) the engine's

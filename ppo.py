@@ -31,14 +31,14 @@ import torch
 import tyro
 from tensordict import TensorDict
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from batching import balance_ranks, flops_workload
 from comm import (Dist, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics, shutdown, timer,
                   watch_ranks)
-from config import START_HERE, Config, split_files
+from config import START_HERE, Config, builtin_task_values, split_files
 from core_algos import compute_advantages, kl_in_reward, last_token, overlong_penalty, rollout_mask, update_kl_coef
-from data import RLDataset, load_reward_fn, score_responses
+from data import RLDataset, load_reward_fn, load_tokenizer, score_responses
 from fileio import write_atomic
 from sharding import begin_checkpoint, commit_checkpoint, find_latest, prune_checkpoints
 from tracking import Tracking
@@ -158,8 +158,10 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
             # the verifier scores the whole response: its reward sits on the last token
             batch["token_level_rewards"] = last_token(batch["scores"], batch["response_mask"])  # [B, R]
             if cfg.use_kl_in_reward:
+                # the old policy's log-probs: recomputed, or the engine's (old_log_probs rollout)
+                old = batch["old_log_probs"] if "old_log_probs" in batch.keys() else batch["rollout_log_probs"]
                 batch["token_level_rewards"], kl = kl_in_reward(
-                    batch["token_level_rewards"], batch["old_log_probs"], batch["ref_log_probs"],
+                    batch["token_level_rewards"], old, batch["ref_log_probs"],
                     batch["response_mask"], kl_coef, cfg.kl_penalty, ctl.all_sum)  # [B, R]; kl: the whole batch's
                 metrics.update({"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": kl_coef})
                 kl_coef = update_kl_coef(kl_coef, kl, cfg.train_batch_size * cfg.rollout_n, cfg.kl_ctrl_type,
@@ -360,7 +362,7 @@ def warm_start_and_task_files(cfg: Config, dist: Dist) -> tuple[str, str, str]:
 def make_run(cfg: Config, model_path: str, train_files: str, val_files: str, actor: ActorWorker,
              critic: CriticWorker | None, ctl: SPMD) -> Run:
     """The Run around built workers: the policy's tokenizer, the reward function, the prompts (checked)."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     train_ds = RLDataset(split_files(train_files), tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
     val_ds = RLDataset(split_files(val_files), tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
     val_rows = [val_ds[i] for i in range(min(cfg.val_size, len(val_ds)))]
@@ -509,8 +511,21 @@ def check_out_dir(cfg: Config) -> None:
                               "checkpoint to resume from: pass --overwrite to replace it, or another --out-dir")
 
 
+def with_task_values(cfg: Config, is_main: bool = True) -> Config:
+    """The config a run uses: without --model-path, the built-in task's own values for the fields left at their
+    defaults (config.BUILTIN_TASK), printed once."""
+    if cfg.model_path is not None:
+        return cfg
+    cfg, applied = builtin_task_values(cfg)
+    if applied and is_main:
+        print("built-in task (no --model-path): " + ", ".join(f"{k}={v}" for k, v in applied.items()) +
+              " (its own values; a flag you pass wins)")
+    return cfg
+
+
 def train(cfg: Config) -> list[dict]:
     """Run cfg.total_steps RL steps on every rank (SPMD, under torchrun or in one process); returns the records."""
+    cfg = with_task_values(cfg, int(os.environ.get("RANK", "0")) == 0)
     check_out_dir(cfg)  # every rank reads the same folder, so all refuse together
     dist = init_distributed(cfg.dist_timeout_s)
     if cfg.train_batch_size % dist.dp_size or cfg.ppo_mini_batch_size % dist.dp_size:

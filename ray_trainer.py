@@ -44,7 +44,7 @@ from tensordict import TensorDict
 from batching import balance_whole
 from comm import barrier, combine_metrics, init_distributed, shutdown, timer
 from config import Config
-from ppo import SUM_KEYS, check_out_dir, loop, make_run, warm_start_and_task_files
+from ppo import SUM_KEYS, check_out_dir, loop, make_run, warm_start_and_task_files, with_task_values
 from workers import ActorWorker, CriticWorker
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -365,7 +365,7 @@ def check(cfg: Config, rc: RayConfig) -> None:
 
 def train(rc_all: RayTrainerConfig) -> list[dict]:
     """Run the loop from the driver, restarting the worker groups from the latest checkpoint after a failure."""
-    cfg, rc = rc_all.run, rc_all.ray
+    cfg, rc = with_task_values(rc_all.run), rc_all.ray
     check(cfg, rc)
     check_out_dir(cfg)  # once: a restart resumes the same run in the same folder
     os.makedirs(cfg.out_dir, exist_ok=True)

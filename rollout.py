@@ -21,6 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as tdist
+
+from core_algos import token_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +38,20 @@ class RolloutOutput:
     """Log-prob of each sampled token (same lengths as responses) under the sampling distribution."""
 
 
-def make_rollout(backend: str, *, model_path: str, model, tokenizer, max_model_len: int, seed: int = 0,
-                 dtype: str = "float32", gpu_memory_utilization: float = 0.5, verbose: bool = False):
-    """backend "vllm": an engine loaded from model_path; "hf": generate with the trainer's own `model`."""
+def make_rollout(backend: str, *, model_path: str, model, tokenizer, device: torch.device, in_group: bool,
+                 max_model_len: int, seed: int = 0, dtype: str = "float32", gpu_memory_utilization: float = 0.5,
+                 tp: int = 1, cuda_graphs: bool = False, verbose: bool = False):
+    """backend "vllm": an engine loaded from model_path (in_group: this process is a rank of a torch process group,
+    whose device and ranks the engine takes; tp: tensor parallel over groups of tp consecutive ranks); "hf": generate
+    with the trainer's own `model` on `device`."""
     if backend == "vllm":
         return VLLMRollout(model_path, max_model_len=max_model_len, seed=seed, dtype=dtype,
-                           gpu_memory_utilization=gpu_memory_utilization, verbose=verbose)
+                           gpu_memory_utilization=gpu_memory_utilization, in_group=in_group, tp=tp,
+                           cuda_graphs=cuda_graphs, verbose=verbose)
+    if tp != 1:
+        raise ValueError(f"rollout_tp={tp}: tensor parallelism needs the vllm backend, not {backend!r}")
     if backend == "hf":
-        return HFRollout(model, tokenizer)
+        return HFRollout(model, tokenizer, device)
     raise ValueError(f"rollout backend must be 'vllm' or 'hf', got {backend!r}")
 
 
@@ -53,14 +62,21 @@ def make_rollout(backend: str, *, model_path: str, model, tokenizer, max_model_l
 
 class VLLMRollout:
     """An in-process vLLM engine. Keep it alive for the whole run: its shutdown destroys the default
-    process group (vLLM's cleanup), so close() comes after the run's last collective."""
+    process group (vLLM's cleanup), so close() comes after the run's last collective.
+
+    In a process group (in_group: torchrun, or a Ray worker group) it is verl's colocated engine: distributed_executor_backend
+    "external_launcher" reads RANK and LOCAL_RANK, so each rank's engine sits on its own device (the default uniproc
+    executor would put every rank's on device 0), and tp > 1 shards one engine over tp consecutive ranks (vLLM forms
+    those groups from the torchrun world). The ranks of a TP group must send identical requests: generate gathers
+    their prompts, every rank of the group generates all of them, and each keeps its own."""
 
     def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0, dtype: str = "float32",
                  gpu_memory_utilization: float = 0.5, cpu_kv_cache_bytes: int = CPU_KV_CACHE_BYTES,
-                 verbose: bool = False):
+                 in_group: bool = False, tp: int = 1, cuda_graphs: bool = False, verbose: bool = False):
         """gpu_memory_utilization: the share of device memory the engine takes on GPU (colocated with the trainer);
-        on CPU the engine takes a KV cache of cpu_kv_cache_bytes instead (resident from the start). verbose: keep
-        vLLM's INFO lines (a few hundred a run, e.g. one a step for the prefix-cache reset); else warnings only."""
+        on CPU the engine takes a KV cache of cpu_kv_cache_bytes instead (resident from the start). cuda_graphs: GPU
+        decoding with CUDA graphs (only valid while weight syncs rewrite weights in place). verbose: keep vLLM's INFO
+        lines (a few hundred a run, e.g. one a step for the prefix-cache reset); else warnings only."""
         # In-process engine: starts in seconds, and its worker (hence its weights) is reachable from here.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # read when vllm is first imported (here, in a training run); a level the user set wins
@@ -71,9 +87,19 @@ class VLLMRollout:
         self.on_cpu = current_platform.is_cpu()
         memory = (dict(kv_cache_memory_bytes=cpu_kv_cache_bytes) if self.on_cpu
                   else dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True))
+        self.tp_group = None
+        if in_group:
+            world = tdist.get_world_size()
+            if world % tp:
+                raise ValueError(f"rollout_tp={tp} must divide the {world} ranks")
+            memory["distributed_executor_backend"] = "external_launcher"
+            # a CPU (gloo) group per TP group, for the prompts' python lists; every rank creates every group
+            self.tp_group, _ = tdist.new_subgroups(group_size=tp, backend="gloo") if tp > 1 else (None, None)
+        elif tp > 1:
+            raise ValueError(f"rollout_tp={tp} needs torchrun (or a Ray worker group): one rank a shard of the engine")
         self.llm = LLM(
-            model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-            enforce_eager=True,  # no CUDA graphs / compile: fast start, and weights can be swapped freely
+            model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, tensor_parallel_size=tp,
+            enforce_eager=not cuda_graphs,  # eager: fast start, and any weight reload is safe
             # the sampler's log-probs after temperature (and top-p): what a trainer dividing logits by T computes
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,  # the n samples of a prompt share its KV blocks
@@ -89,8 +115,22 @@ class VLLMRollout:
     def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float,
                  top_p: float = 1.0, seeds: list[int] | None = None, ignore_eos: bool = False) -> RolloutOutput:
         """temperature 0 is greedy. seeds: one per prompt, so the same seeds replay the same samples. ignore_eos:
-        every response runs to max_tokens.
-        vLLM draws sample k of a request seeded s with seed s + k (vllm/v1/engine/parallel_sampling.py): with
+        every response runs to max_tokens. With tensor parallelism, a collective over the TP group: the group's
+        prompts are generated together, and this rank gets back its own prompts' samples."""
+        kwargs = dict(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos)
+        if self.tp_group is None:
+            return self._generate(prompts, seeds, **kwargs)
+        shards = [None] * tdist.get_world_size(self.tp_group)
+        tdist.all_gather_object(shards, (prompts, seeds), group=self.tp_group)  # in TP-rank order, the same everywhere
+        out = self._generate([p for ps, _ in shards for p in ps],
+                             None if seeds is None else [s for _, ss in shards for s in ss], **kwargs)
+        start = n * sum(len(ps) for ps, _ in shards[: tdist.get_rank(self.tp_group)])  # this rank's rows
+        rows = slice(start, start + n * len(prompts))
+        return RolloutOutput(out.responses[rows], out.log_probs[rows])
+
+    def _generate(self, prompts: list[list[int]], seeds: list[int] | None, *, n: int, max_tokens: int,
+                  temperature: float, top_p: float, ignore_eos: bool) -> RolloutOutput:
+        """vLLM draws sample k of a request seeded s with seed s + k (vllm/v1/engine/parallel_sampling.py): with
         consecutive seeds, prompt i's sample 1 would share prompt i+1's sample 0 random stream (identical
         draws where the two distributions agree). Requesting seed s * n makes (s, k) -> s * n + k one-to-one."""
         from vllm import SamplingParams
@@ -146,10 +186,12 @@ class VLLMRollout:
                 for s, out in zip(sequences, outputs)]
 
     def sleep(self) -> None:
-        """Level 1: offload the weights and drop the KV cache, freeing device memory for training."""
+        """Level 2: drop the weights and the KV cache, freeing device memory for training. Every sync sends every
+        weight again, so keeping a host copy (level 1) would only copy the model out and back each step; the buffers,
+        which no sync sends (rotary tables), vLLM keeps in host memory and restores on wake_up."""
         if self._skip_sleep():
             return
-        self.llm.sleep(level=1)
+        self.llm.sleep(level=2)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """tags: ["weights"] or ["kv_cache"] wakes one part (the weights first, so they are loaded before the
@@ -189,8 +231,8 @@ def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> int:
 class HFRollout:
     """Generates with the trainer's own model (no copy, so weights are always current)."""
 
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, tokenizer, device: torch.device):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -201,9 +243,9 @@ class HFRollout:
 
     def left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         T = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad_id] * (T - len(p)) + p for p in prompts], device=self.model.device)  # [B, T]
+        ids = torch.tensor([[self.pad_id] * (T - len(p)) + p for p in prompts], device=self.device)  # [B, T]
         # from lengths, not from ids != pad: the pad id may also be a real token
-        mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=self.model.device)  # [B, T]
+        mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=self.device)  # [B, T]
         return ids, mask
 
     @torch.no_grad()
@@ -214,7 +256,7 @@ class HFRollout:
         so the same call replays; unlike vLLM, a prompt's samples also depend on the rest of the batch.
         The global RNG is restored afterwards, so the trainer's random stream is untouched."""
         ids, mask = self.left_pad(prompts)
-        device = self.model.device
+        device = self.device
         # top_k=0: like vLLM's explicit params, ignore a top-k default in the model's generation_config
         sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0
                     else dict(do_sample=False))
@@ -229,8 +271,7 @@ class HFRollout:
             )
         tokens = out.sequences[:, ids.shape[1]:]  # [B * n, R], prompt-major (each prompt repeated n times)
         # out.scores holds the processed logits (temperature, top-p) of each step: [B * n, V] each
-        logp = torch.stack([s.float().log_softmax(-1).gather(-1, tokens[:, t, None]).squeeze(-1)
-                            for t, s in enumerate(out.scores)], dim=1)  # [B * n, R]
+        logp = torch.stack([token_log_probs(s, tokens[:, t])[0] for t, s in enumerate(out.scores)], 1)  # [B * n, R]
         responses, log_probs = [], []
         for row, row_logp in zip(tokens.tolist(), logp.tolist()):
             length = cut_at_eos(row, set(self.eos_ids))  # after EOS come pad tokens: drop them
@@ -251,7 +292,7 @@ class HFRollout:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: left padding must not shift rotary positions
         with eval_mode(self.model):
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits  # [B, T, V]
-        logp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, T - 1]
+        logp = token_log_probs(logits[:, :-1], ids[:, 1:])[0]  # [B, T - 1]
         return [row[len(row) - len(s) + 1:] for s, row in zip(sequences, logp.tolist())]
 
     def sleep(self) -> None:

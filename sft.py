@@ -41,10 +41,11 @@ import torch
 import torch.nn.functional as F
 import tyro
 from config import check_paths, split_files
-from data import RLDataset, default_compute_score, is_message, load_reward_fn, score_responses, tokenize_prompt
+from data import (RLDataset, default_compute_score, is_message, load_reward_fn, load_tokenizer, score_responses,
+                  tokenize_prompt)
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers import logging as hf_logging
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -459,10 +460,8 @@ def run(cfg: SFTConfig) -> str:
         tokenizer = build_byte_tokenizer()
         model = build_tiny_qwen2(tokenizer, cfg)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        tokenizer = load_tokenizer(cfg.model_path)
         model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype=torch.float32)
-        if tokenizer.pad_token_id is None:  # Llama-style tokenizers have none; the masks come from lengths anyway
-            tokenizer.pad_token = tokenizer.eos_token
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     pairs = read_sft_rows(",".join(train_files), cfg.prompt_key, cfg.response_key)
     habit_pairs = None

@@ -21,15 +21,17 @@ attention_mask and position_ids [B, P + R], response_mask [B, R] (float), rollou
 
 import math
 import random
+from contextlib import contextmanager
 
 import torch
 from tensordict import TensorDict
-from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForTokenClassification
 
-from batching import map_micro_batches, micro_batches, pack, packing_works, unpack
+from batching import micro_batches, pack, packing_works, unpack
 from comm import Dist, reduce_metrics, timer
 from config import Config
-from core_algos import agg_loss, entropy_from_logits, kl_penalty, lr_factor, policy_loss, tis_weights, value_loss
+from core_algos import agg_loss, head_log_probs, kl_penalty, lr_factor, policy_loss, tis_weights, value_loss
+from data import load_tokenizer
 from hybrid_engine import HybridEngine
 from rollout import make_rollout
 from sharding import DTYPES, clip_grad_norm, export_hf, load_sharded, load_sharded_model, save_sharded
@@ -67,43 +69,59 @@ def pad_batch(prompts: list[list[int]], responses: list[list[int]], rollout_logp
     )
 
 
-def response_outputs(model, batch: TensorDict, remove_padding: bool = False):
-    """model's outputs (.logits: V-wide for the actor, 1 for the critic) at the positions that predict the
-    response tokens: ([B, R, ...], None), or packed ([n, ...], keep [B, R]) with n = keep.sum() real response tokens.
+def response_positions(batch: TensorDict, remove_padding: bool) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """(the model's inputs, the output positions that predict response tokens, keep [B, R]: the response tokens those
+    positions predict). Padded: [B, P + R] inputs and the last R + 1 .. 2 columns (keep = response_mask); packed
+    (remove_padding, batching.pack): one row [1, N] and the n = keep.sum() packed positions of real response tokens."""
+    R, T = batch["responses"].shape[1], batch["input_ids"].shape[1]
+    if not remove_padding:
+        inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                      position_ids=batch["position_ids"])
+        columns = torch.arange(T - R - 1, T - 1, device=batch["input_ids"].device)  # [R]: position t predicts token t + 1
+        return inputs, columns, batch["response_mask"].bool()
+    packed = pack(batch["input_ids"], batch["attention_mask"])  # [1, N]; use_cache=False, or no packing is detected
+    where = packed.where[:, -R - 1 : -1]  # [B, R]: the packed positions that predict the response tokens
+    keep = (where >= 0) & batch["response_mask"].bool()  # [B, R]
+    return dict(input_ids=packed.input_ids, position_ids=packed.position_ids), where[keep], keep
 
-    remove_padding: the batch runs as one packed row (batching.pack); use_cache=False, or no packing is detected.
-    """
-    R = batch["responses"].shape[1]
-    if remove_padding:
-        packed = pack(batch["input_ids"], batch["attention_mask"])  # [1, N]
-        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]  # [N, ...]
-        where = packed.where[:, -R - 1 : -1]  # [B, R]: the packed positions that predict the response tokens
-        keep = (where >= 0) & batch["response_mask"].bool()  # [B, R]
-        return out[where[keep]], keep  # [n, ...]: never a [B, R, V] tensor
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], use_cache=False).logits  # [B, P + R, ...]
-    return out[:, -R - 1 : -1], None  # [B, R, ...]: position t predicts token t + 1
+
+@contextmanager
+def head_replaced(model, fn):
+    """The model's LM head computes fn(hidden states) instead of logits within the block. Inside the model's own
+    forward, where FSDP2 has gathered the head's weight, so no hidden-state tensor leaves the forward."""
+    head = model.get_output_embeddings()
+    head.forward = fn
+    try:
+        yield head
+    finally:
+        del head.forward  # the class's forward again
 
 
 def response_log_probs(model, batch: TensorDict, temperature: float, with_entropy: bool = False,
                        remove_padding: bool = False, entropy_grad: bool = True):
-    """Log-prob [B, R] (and entropy [B, R]) of each response token under model, at the sampling temperature.
-    entropy_grad=False: the entropy is a metric only, and backward keeps no [tokens, V] softmax for it."""
-    logits, keep = response_outputs(model, batch, remove_padding)  # [B, R, V] or [n, V]
-    targets = batch["responses"] if keep is None else batch["responses"][keep]  # [B, R] or [n]
-    logits = logits.float() / temperature
-    logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, R] or [n]
-    entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
-    if keep is not None:  # back to [B, R], 0 at padding
-        logp, entropy = unpack(logp, keep), entropy if entropy is None else unpack(entropy, keep)
+    """Log-prob [B, R] (and entropy [B, R], else None) of each response token under model, at the sampling
+    temperature; 0 at padding. Logits exist only for the positions that predict response tokens, a chunk at a time
+    (core_algos.head_log_probs: never a [tokens, V] tensor). entropy_grad=False: the entropy is a metric only."""
+    inputs, positions, keep = response_positions(batch, remove_padding)
+    targets = batch["responses"][keep]  # [n]
+
+    def log_probs_head(hidden):  # [B, R, H] padded, [1, n, H] packed: the hidden states at `positions`
+        hidden = hidden[0] if remove_padding else hidden[keep]  # [n, H]
+        logp, entropy = head_log_probs(hidden, head.weight, head.bias, targets, temperature, with_entropy,
+                                       entropy_grad)  # [n] each
+        return torch.stack([logp, entropy]) if with_entropy else logp[None]  # [1 or 2, n]
+
+    with head_replaced(model, log_probs_head) as head:
+        out = model(**inputs, logits_to_keep=positions, use_cache=False).logits  # [1 or 2, n]
+    logp, entropy = (unpack(x, keep) for x in out) if with_entropy else (unpack(out[0], keep), None)  # [B, R]
     return logp, entropy
 
 
 def response_values(model, batch: TensorDict, remove_padding: bool = False) -> torch.Tensor:
     """The critic's value [B, R] of the state before each response token (0 at padding)."""
-    values, keep = response_outputs(model, batch, remove_padding)  # [B, R, 1] or [n, 1]
-    values = values.squeeze(-1).float()
-    return values * batch["response_mask"] if keep is None else unpack(values, keep)
+    inputs, positions, keep = response_positions(batch, remove_padding)
+    values = model(**inputs, use_cache=False).logits.squeeze(-1).float()  # [B, P + R] or [1, N]: one value a token
+    return unpack(values[0, positions], keep) if remove_padding else unpack(values[:, positions][keep], keep)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -128,12 +146,26 @@ class Worker:
                   f"see each other (batching.packing_works); {self.role}: running padded micro-batches instead")
 
     def micro_batch_parts(self, batch: TensorDict, max_tokens: int | None) -> list[list[int]]:
-        """Row indices of batch's micro-batches: within max_tokens (use_dynamic_bsz), else ppo_micro_batch_size rows.
-        Collective with use_dynamic_bsz (batching.micro_batches: the ranks agree on the count)."""
-        if self.cfg.use_dynamic_bsz:
+        """Row indices of batch's micro-batches: within max_tokens (the no-grad passes always; the update with
+        use_dynamic_bsz), else ppo_micro_batch_size rows. Collective with a token budget (batching.micro_batches: the
+        ranks agree on the count)."""
+        if max_tokens is not None:
             return micro_batches(batch["attention_mask"].sum(-1), max_tokens, self.dist)
         B, size = batch.batch_size[0], self.cfg.ppo_micro_batch_size
         return [list(range(i, min(i + size, B))) for i in range(0, B, size)]
+
+    def on_device(self, batch: TensorDict) -> TensorDict:
+        """The one place a batch crosses to this worker's device: a micro-batch of the CPU batch the controller
+        passed. Results go back with .cpu() (map_micro_batches, metrics as floats)."""
+        return batch.to(self.dist.device, non_blocking=True)
+
+    def map_micro_batches(self, fn, batch: TensorDict, max_tokens: int) -> torch.Tensor:
+        """fn on each token-budget micro-batch of the CPU batch, on this worker's device; the results [B, ...] on the
+        CPU, in batch's row order. Collective (the micro-batch count; FSDP2's gathers in fn)."""
+        parts = self.micro_batch_parts(batch, max_tokens)
+        rows = torch.tensor([i for p in parts for i in p])  # [B], the order the micro-batches ran in
+        out = torch.cat([fn(self.on_device(batch[torch.tensor(p)])).cpu() for p in parts])  # [B, ...] in that order
+        return out[rows.argsort()]
 
     def update(self, batch: TensorDict) -> dict:
         """PPO epochs over mini-batches of this rank's shard; each mini-batch is one optimizer step over its
@@ -158,13 +190,14 @@ class Worker:
                                        sum_keys=("tokens", "seqs"))
                 counts = dict(n_tokens=total["tokens"] / self.dist.dp_size, n_seqs=total["seqs"] / self.dist.dp_size,
                               norm_len=cfg.max_response_length, dp_size=self.dist.dp_size)
-                parts = self.micro_batch_parts(mb, cfg.ppo_max_token_len_per_gpu)  # the same count on every rank
+                budget = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
+                parts = self.micro_batch_parts(mb, budget)  # the same count on every rank
                 step = {f"{self.role}/num_micro_batches": len(parts)}
                 for part in parts:
-                    micro = mb[torch.tensor(part)]
-                    loss, metrics = self.micro_batch_loss(micro, counts, fresh=epoch == 0 and i == 0)
+                    rows = torch.tensor(part)
+                    loss, metrics = self.micro_batch_loss(self.on_device(mb[rows]), counts, fresh=epoch == 0 and i == 0)
                     loss.backward()
-                    share = (self.loss_mask(micro).sum() / mask.sum().clamp(min=1)).item()
+                    share = (mask[rows].sum() / mask.sum().clamp(min=1)).item()  # its token share, from the CPU batch
                     for k, v in metrics.items():
                         step[k] = (max(step.get(k, v), v) if k.endswith("_max") else
                                    step.get(k, 0.0) + (v if k in LOSS_METRICS else v * share))
@@ -218,13 +251,15 @@ class ActorWorker(Worker):
     role = "actor"
 
     def __init__(self, cfg: Config, model_path: str, dist: Dist):
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)
         super().__init__(cfg, dist, load_sharded_model(model_path, dist, cfg.fsdp), tokenizer, cfg.lr)  # fp32 masters
         self.ref = load_sharded_model(model_path, dist, cfg.fsdp, trainable=False) if cfg.use_reference else None
         self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=self.model, tokenizer=tokenizer,
-                                    max_model_len=cfg.max_prompt_length + cfg.max_response_length, seed=cfg.seed,
-                                    dtype=cfg.fsdp.param_dtype,  # the engine computes in the trainer's dtype
-                                    gpu_memory_utilization=cfg.gpu_memory_utilization, verbose=cfg.verbose)
+                                    device=dist.device, in_group=dist.mesh is not None,
+                                    max_model_len=cfg.max_prompt_length + cfg.max_response_length,
+                                    seed=cfg.seed, dtype=cfg.fsdp.param_dtype,  # the engine computes in the trainer's
+                                    gpu_memory_utilization=cfg.gpu_memory_utilization, tp=cfg.rollout_tp,
+                                    cuda_graphs=cfg.cuda_graphs, verbose=cfg.verbose)
         # train mode <-> rollout mode, streaming the weights into the engine (the 3D-HybridEngine, hybrid_engine.py)
         self.hybrid = HybridEngine(self.model, self.opt, self.rollout, dist, cfg.hybrid, DTYPES[cfg.fsdp.param_dtype])
 
@@ -262,9 +297,9 @@ class ActorWorker(Worker):
         return self._log_probs(self.ref, batch)
 
     def _log_probs(self, model, batch: TensorDict) -> torch.Tensor:
-        parts = self.micro_batch_parts(batch, self.cfg.log_prob_max_token_len_per_gpu)
-        return map_micro_batches(lambda mb: response_log_probs(model, mb, self.cfg.temperature,
-                                                               remove_padding=self.remove_padding)[0], batch, parts)
+        return self.map_micro_batches(lambda mb: response_log_probs(model, mb, self.cfg.temperature,
+                                                                    remove_padding=self.remove_padding)[0],
+                                      batch, self.cfg.log_prob_max_token_len_per_gpu)
 
     def micro_batch_loss(self, micro: TensorDict, counts: dict, fresh: bool) -> tuple[torch.Tensor, dict]:
         """Policy loss - entropy bonus (+ KL loss) of one micro-batch, scaled by its mini-batch's counts.
@@ -321,14 +356,14 @@ class CriticWorker(Worker):
             torch.manual_seed(cfg.seed)
             model = load_sharded_model(model_path, dist, cfg.fsdp, model_class=AutoModelForTokenClassification,
                                        config=config)
-        super().__init__(cfg, dist, model, AutoTokenizer.from_pretrained(model_path), cfg.critic_lr)
+        super().__init__(cfg, dist, model, load_tokenizer(model_path), cfg.critic_lr)
 
     @torch.no_grad()
     def values(self, batch: TensorDict) -> torch.Tensor:
         """The value [B, R] of the state before each response token, 0 at padding. Collectives: FSDP2's gathers (and
         the micro-batch count with use_dynamic_bsz, whose budget is log_prob_max_token_len_per_gpu)."""
-        parts = self.micro_batch_parts(batch, self.cfg.log_prob_max_token_len_per_gpu)
-        return map_micro_batches(lambda mb: response_values(self.model, mb, self.remove_padding), batch, parts)
+        return self.map_micro_batches(lambda mb: response_values(self.model, mb, self.remove_padding), batch,
+                                      self.cfg.log_prob_max_token_len_per_gpu)
 
     def micro_batch_loss(self, micro: TensorDict, counts: dict, fresh: bool) -> tuple[torch.Tensor, dict]:
         """The clipped value loss of one micro-batch against the returns, scaled by its mini-batch's counts."""

@@ -69,7 +69,7 @@ def main(cfg: BenchConfig):
 
     rows = []
     threads = torch.get_num_threads()
-    rows.append(("HF generate", threads, *timed(HFRollout(model, tok), prompts, cfg)))
+    rows.append(("HF generate", threads, *timed(HFRollout(model, tok, torch.device("cpu")), prompts, cfg)))
     with tempfile.TemporaryDirectory() as path:
         model.save_pretrained(path)
         tok.save_pretrained(path)

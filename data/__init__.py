@@ -64,6 +64,17 @@ def is_message(message) -> bool:
     )
 
 
+def load_tokenizer(model_path: str):
+    """The model folder's HF tokenizer, with a pad token: Llama-3-style tokenizers have none, and EOS stands in (as in
+    TRL and verl). Every mask here comes from lengths, never from ids == pad, so a pad id that is also EOS is safe."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """Chat-template the messages (ending in the assistant turn) and return plain token ids."""
     # render then encode: apply_chat_template(tokenize=True) returns a dict in some transformers versions

@@ -9,11 +9,18 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: import ppo, sft, ...
 
+from config import BUILTIN_TASK, Config  # noqa: E402
 from data.arith import ArithConfig, write_parquet  # noqa: E402
 from sft import SFTConfig, build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
 
 # The tiny policy of most tests: 2 layers of width 64 (a few hundred thousand parameters with the byte vocabulary).
 TINY = SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+
+def toy_config(**kwargs) -> Config:
+    """A Config for the tests' tiny policies: the built-in task's values (config.BUILTIN_TASK) for what kwargs leave
+    out, as a run without --model-path gets them."""
+    return Config(**{**BUILTIN_TASK, **kwargs})
+
 
 # A dense reward that a random policy can learn in a few steps: the share of digits in the response.
 DIGIT_REWARD = '''

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from batching import split_by_tokens  # noqa: E402
 from batching import balance_ranks, flops_workload  # noqa: E402
 from comm import init_distributed, shutdown  # noqa: E402
-from config import Config  # noqa: E402
+from config import BUILTIN_TASK, Config  # noqa: E402
 from workers import ActorWorker, pad_batch  # noqa: E402
 
 N_SAMPLES, N_PROMPTS = 2, 4
@@ -28,9 +28,10 @@ BUDGET = 24  # tokens: rank 0's sequences (27-39 tokens) run one by one, rank 1'
 
 def config(model_path: str, **overrides) -> Config:
     """Both loss terms on (KL, entropy), no clipping of the gradient (it is what the tests compare)."""
-    return Config(**{**dict(model_path=model_path, rollout_backend="hf", rollout_n=N_SAMPLES, train_batch_size=N_PROMPTS,
-                            ppo_mini_batch_size=N_PROMPTS, use_kl_loss=True, entropy_coeff=0.01, grad_clip=1e9,
-                            max_response_length=32), **overrides})
+    return Config(**{**BUILTIN_TASK, **dict(
+        model_path=model_path, rollout_backend="hf", rollout_n=N_SAMPLES, train_batch_size=N_PROMPTS,
+        ppo_mini_batch_size=N_PROMPTS, use_kl_loss=True, entropy_coeff=0.01, grad_clip=1e9, max_response_length=32),
+        **overrides})
 
 
 def global_batch(vocab_size: int, pad_id: int):

@@ -13,17 +13,17 @@ import subprocess
 import sys
 
 import pytest
-from conftest import assert_reward_rises
+from conftest import assert_reward_rises, toy_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hybrid_engine import HybridConfig
-from config import Config
+from config import BUILTIN_TASK, Config
 from ppo import train
 
 
 @pytest.fixture(scope="module")
 def run(tiny_rl_setup, tmp_path_factory):
-    cfg = Config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6, lr=3e-3,
+    cfg = toy_config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6, lr=3e-3,
                  total_steps=16, eval_every=8, out_dir=str(tmp_path_factory.mktemp("grpo") / "out"), adv_estimator="grpo",
                  hybrid=HybridConfig(verify_sync=True), logger=("tensorboard",))  # every sync proven (raises otherwise)
     return cfg, train(cfg)
@@ -59,7 +59,7 @@ def test_run_outputs(run):
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus"])
 def test_other_critic_free_estimators_learn(tiny_rl_setup, tmp_path, estimator):
     """RLOO (leave-one-out baseline) and REINFORCE++ (whitened returns) learn the same reward end to end."""
-    cfg = Config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6,
+    cfg = toy_config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6,
                  lr=3e-3, total_steps=16, eval_every=16, out_dir=str(tmp_path / "out"), adv_estimator=estimator)
     assert_reward_rises(train(cfg))
 
@@ -67,7 +67,7 @@ def test_other_critic_free_estimators_learn(tiny_rl_setup, tmp_path, estimator):
 def test_a_sync_beyond_verify_tol_stops_the_run(tiny_rl_setup, tmp_path):
     """The loop's weight syncs are verified for real: a tolerance below the engine/trainer rounding gap (a few
     1e-6 in fp32) makes the first sync fail, and the run stops with the probe's message."""
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in tiny_rl_setup.items()]
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in {**BUILTIN_TASK, **tiny_rl_setup}.items()]
     argv += ["--total-steps=1", f"--out-dir={tmp_path}", "--hybrid.verify-sync", "--hybrid.verify-tol=1e-12"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, os.path.join(root, "grpo.py"), *argv], capture_output=True, text=True,

@@ -1,5 +1,5 @@
 """Hand-checked tests of core_algos.py: masked_mean, agg_loss, policy_loss, tis_weights, value_loss, kl_penalty,
-entropy_from_logits, token rewards and the in-reward KL controller, GAE, REINFORCE++(-baseline), whitening,
+token_log_probs (entropy, chunked head), token rewards and the in-reward KL controller, GAE, REINFORCE++(-baseline), whitening,
 group_advantages / grpo_advantages / rloo_advantages, compute_advantages; and Config's checks. Tiny tensors, no
 models.
     python -m pytest tests/test_losses.py -q
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from config import Config
-from core_algos import (AggMode, agg_loss, compute_advantages, entropy_from_logits, gae, gae_advantages,
+from core_algos import (AggMode, agg_loss, compute_advantages, gae, gae_advantages,
                         group_advantages, grpo_advantages, kl_in_reward, kl_penalty, last_token, lr_factor, masked_mean,
                         overlong_penalty, rollout_mask,
                         masked_whiten, policy_loss, reinforce_pp_advantages, rloo_advantages, tis_weights,
-                        update_kl_coef, value_loss)
+                        head_log_probs, token_log_probs, update_kl_coef, value_loss)
 from hybrid_engine import HybridConfig
 
 MODES = list(get_args(AggMode))
@@ -330,8 +330,13 @@ def test_kl_unknown_kind_raises():
 
 
 # ---------------------------------------------------------------------------------------------------
-# entropy_from_logits
+# token_log_probs: entropy
 # ---------------------------------------------------------------------------------------------------
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy token_log_probs gives beside any target's log-prob: [..., V] -> [...]."""
+    return token_log_probs(logits, torch.zeros(logits.shape[:-1], dtype=torch.long), with_entropy=True)[1]
 
 
 @pytest.mark.parametrize("V", [2, 5, 7])
@@ -353,6 +358,55 @@ def test_entropy_peaked_distributions_by_hand():
     assert entropy_from_logits(torch.tensor([10.0, 0.0, 0.0, 0.0], dtype=torch.float64)).item() == approx(peaked)
     # fully one-hot in float32 (huge logit): entropy 0, finite
     assert entropy_from_logits(torch.tensor([1000.0, 0.0, 0.0, 0.0])).item() == approx(0.0)
+
+
+def test_token_log_probs_equal_log_softmax():
+    """The target's logit minus logsumexp is log_softmax's entry, at any temperature, and the entropy is -sum p log p."""
+    g = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(3, 4, 11, generator=g, dtype=torch.float64), torch.randint(0, 11, (3, 4), generator=g)
+    logp, entropy = token_log_probs(logits, targets, temperature=0.7, with_entropy=True)
+    reference = (logits / 0.7).log_softmax(-1)  # [3, 4, 11]
+    torch.testing.assert_close(logp, reference.gather(-1, targets[..., None]).squeeze(-1))
+    torch.testing.assert_close(entropy, -(reference.exp() * reference).sum(-1))
+
+
+@pytest.mark.parametrize("chunk_bytes", [4 * 7 * 3, 1 << 20])  # 3 rows a chunk (V = 7), and all rows in one
+def test_head_log_probs_in_chunks_equal_full_logits(chunk_bytes):
+    """Chunked through the head (checkpointed under autograd): the log-probs, entropies and the gradients of hidden,
+    weight and bias equal those of the full [n, V] logits."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(10, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(7, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (10,), generator=g)
+    results = []
+    for chunk in (chunk_bytes, None):
+        if chunk is None:  # the reference: one [n, V] logits tensor
+            logp, entropy = token_log_probs(hidden @ weight.T + bias, targets, 1.3, with_entropy=True)
+        else:
+            logp, entropy = head_log_probs(hidden, weight, bias, targets, 1.3, with_entropy=True, chunk_bytes=chunk)
+        grads = torch.autograd.grad((logp * torch.arange(10.0)).sum() + entropy.sum(), (hidden, weight, bias))
+        results.append((logp, entropy, *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
+def test_head_log_probs_entropy_without_grad():
+    """entropy_grad=False: the entropy is a metric (no graph), the log-prob still has one."""
+    hidden, weight = torch.randn(4, 3, requires_grad=True), torch.randn(5, 3)
+    logp, entropy = head_log_probs(hidden, weight, None, torch.zeros(4, dtype=torch.long), 1.0, with_entropy=True,
+                                   entropy_grad=False)
+    assert logp.requires_grad and not entropy.requires_grad
+
+
+def test_low_var_kl_of_a_huge_gap_has_a_finite_gradient():
+    """k3 exponentiates the log-ratio: clamped to +-20 first (as verl), a gap of 100 gives the bound 10 and a zero
+    gradient; unclamped, exp overflows to inf and the clamp's backward makes 0 * inf = NaN, which skips the step."""
+    logp = torch.tensor([-100.0, 100.0, 0.5], requires_grad=True)
+    kl = kl_penalty(logp, torch.zeros(3), "low_var_kl")
+    kl.sum().backward()
+    assert kl[:2].tolist() == [10.0, 10.0] and kl[2].item() == approx(math.exp(-0.5) - 1 + 0.5)
+    assert torch.isfinite(logp.grad).all() and logp.grad[:2].tolist() == [0.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -635,7 +689,10 @@ def test_rloo_leave_one_out_baseline_by_hand():
     (dict(kl_horizon=0), "kl_horizon"),
     (dict(critic_warmup=-1), "critic_warmup"),
     (dict(critic_warmup=10, total_steps=10), "critic_warmup"),  # the actor would never train
-    (dict(hybrid=HybridConfig(verify_sync=True, probe_len=40)), "hybrid.probe_len"),  # 32 + 8 tokens of context
+    (dict(hybrid=HybridConfig(verify_sync=True, probe_len=40), max_prompt_length=32, max_response_length=8),
+     "hybrid.probe_len"),  # 32 + 8 tokens of context
+    (dict(rollout_tp=0), "rollout_tp"),
+    (dict(log_prob_max_token_len_per_gpu=0), "log_prob_max_token_len_per_gpu"),
 ])
 def test_config_rejects_bad_combinations_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

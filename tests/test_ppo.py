@@ -12,6 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from comm import init_distributed
+from conftest import toy_config
 from config import Config
 from core_algos import AggMode, grpo_advantages
 from hybrid_engine import HybridConfig
@@ -52,7 +53,7 @@ def test_micro_batches_give_the_whole_batch_gradient(model_path, mode):
     """Splitting a mini-batch into micro-batches of 3 sequences changes nothing, in every aggregation mode."""
     results = []
     for micro in (3, 16):
-        cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+        cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
                      ppo_micro_batch_size=micro, loss_agg_mode=mode, lr=1e-2, max_response_length=6)
         worker = ActorWorker(cfg, model_path, init_distributed())
         batch = make_batch(worker)
@@ -69,7 +70,7 @@ def test_micro_batches_give_the_whole_batch_gradient(model_path, mode):
 
 def test_non_finite_gradient_skips_the_step(model_path):
     """A NaN advantage poisons the gradient: the optimizer step is skipped and the weights stay as they were."""
-    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=2,
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=2,
                  max_response_length=6)
     worker = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(worker)
@@ -84,7 +85,7 @@ def test_non_finite_gradient_skips_the_step(model_path):
 
 def test_hf_rollout_passes_sync_verification(model_path):
     """HF generate runs on the trainer's model, yet the hybrid engine's checksums must still see every weight."""
-    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=2, max_response_length=6,
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=2, max_response_length=6,
                  hybrid=HybridConfig(verify_sync=True))
     worker = ActorWorker(cfg, model_path, init_distributed())
     # generate enters rollout mode, which raises, naming a parameter, if a checksum or the probe disagrees
@@ -96,7 +97,7 @@ def test_tis_weights_reach_the_update(model_path):
     """The engine's log-probs set apart from the trainer's (ratios e^-1, e^0.5 and e^1.5, the last capped at 2):
     one on-policy mini-batch with tis_cap updates exactly as plain PPO does on advantages times the truncated
     weights, and not as plain PPO on the raw advantages."""
-    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
                  max_response_length=6, tis_cap=2.0)
     worker = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(worker)
@@ -124,7 +125,7 @@ def test_old_log_probs_from_the_update_or_the_engine_match_the_recomputed(model_
     """One optimizer step on the sampling weights: old log-probs from the update's own first forward (update) give
     the recomputing pass's update exactly; the engine's (rollout) give it within what the engine-trainer gap
     allows, and the update reports that gap as the recomputing pass measures it."""
-    base = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+    base = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
                   max_response_length=6, lr=1e-2, clip_ratio_low=10.0, clip_ratio_high=10.0)  # no clipping: ratios
     runs = {}
     for mode in ("recompute", "update", "rollout"):
@@ -155,7 +156,7 @@ def test_old_log_probs_from_the_update_or_the_engine_match_the_recomputed(model_
 def test_one_process_computes_in_param_dtype(model_path):
     """Without FSDP, fsdp.param_dtype=bfloat16 still sets the compute dtype (autocast): the log-probs move by a
     bf16 rounding, not more; the masters and their update stay fp32."""
-    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
                  max_response_length=6)
     fp32 = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(fp32)
@@ -173,7 +174,7 @@ def test_one_process_computes_in_param_dtype(model_path):
 def test_lr_schedule_resumes_where_it_stopped(model_path, tmp_path):
     """Warmup then cosine over 4 updates: 2 updates, a checkpoint, a new worker that loads it and makes 2 more
     runs at the uninterrupted worker's learning rates, and ends with its weights."""
-    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
                  max_response_length=6, total_steps=4, lr_warmup_steps=2, lr_scheduler="cosine", min_lr_ratio=0.1)
     whole = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(whole)
@@ -192,7 +193,7 @@ def test_lr_schedule_resumes_where_it_stopped(model_path, tmp_path):
 
 def test_loss_mask_drops_responses_from_the_update(model_path):
     """A loss_mask that drops the first prompt's responses updates the actor exactly as the batch without them."""
-    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
                  max_response_length=6, lr=1e-2)
     masked, dropped = (ActorWorker(cfg, model_path, init_distributed()) for _ in range(2))
     batch = make_batch(masked)
@@ -217,7 +218,7 @@ def test_policy_loss_mask_drops_truncated_responses(byte_tokenizer):
 
 
 def test_ignore_eos_samples_full_length(model_path):
-    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, max_response_length=6, ignore_eos=True)
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, max_response_length=6, ignore_eos=True)
     worker = ActorWorker(cfg, model_path, init_distributed())
     batch, _ = worker.generate([[5, 6, 7], [8, 9]], seeds=[0, 1])
     assert (batch["response_mask"].sum(-1) == 6).all()
@@ -233,7 +234,7 @@ def test_ignore_eos_samples_full_length(model_path):
 @pytest.fixture(scope="module")
 def critic_setup(model_path):
     """A sampled batch whose returns are the scores on every response token (gamma = lambda = 1, no KL)."""
-    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
                  max_response_length=6, critic_lr=1e-2)
     batch = make_batch(ActorWorker(cfg, model_path, init_distributed()))
     batch["returns"] = batch["scores"].unsqueeze(-1) * batch["response_mask"]  # [B, R]
@@ -260,7 +261,7 @@ def test_critic_head_initialisation_is_seeded(model_path, critic_setup):
     first, second = (CriticWorker(cfg, model_path, init_distributed()).values(batch) for _ in range(2))
     assert (first == second).all()
     rng = torch.get_rng_state()
-    CriticWorker(Config(model_path=model_path, seed=1), model_path, init_distributed())
+    CriticWorker(toy_config(model_path=model_path, seed=1), model_path, init_distributed())
     assert (torch.get_rng_state() == rng).all(), "loading the critic must leave the global RNG alone"
 
 
@@ -292,7 +293,7 @@ def test_critic_fits_the_returns(model_path, critic_setup):
 def test_ppo_epochs_replay_the_batch(model_path):
     """ppo_epochs=2 is two passes over the same batch with the same old log-probs: the weights of one update with
     2 epochs equal those of two updates with 1, and the second pass starts off-policy (a nonzero ratio)."""
-    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=2,
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=2,
                  max_response_length=6, lr=1e-2)
     once = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(once)
@@ -310,7 +311,7 @@ def test_ppo_epochs_replay_the_batch(model_path):
 def test_entropy_bonus_raises_the_entropy(model_path, coeff):
     """With zero advantages only the bonus pulls: entropy_coeff > 0 raises the policy's entropy on the batch (the
     loss subtracts coeff * entropy), < 0 lowers it."""
-    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
                  max_response_length=6, lr=1e-2, entropy_coeff=coeff)
     worker = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(worker)
@@ -324,7 +325,7 @@ def test_a_sync_that_leaves_out_a_weight_raises_naming_it(model_path, monkeypatc
     """Every sync checks that its buckets handed over each weight once (vLLM's own warnings are muted)."""
     import hybrid_engine
 
-    cfg = Config(model_path=model_path, rollout_backend="hf", rollout_n=2, max_response_length=6)
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=2, max_response_length=6)
     worker = ActorWorker(cfg, model_path, init_distributed())
     clean = hybrid_engine.full_weights
     monkeypatch.setattr(hybrid_engine, "full_weights", lambda *args: (

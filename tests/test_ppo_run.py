@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 from safetensors.torch import load_file
-from conftest import assert_reward_rises
+from conftest import assert_reward_rises, toy_config
 
 from config import Config
 from core_algos import update_kl_coef
@@ -24,7 +24,7 @@ WARMUP = 2
 
 @pytest.fixture(scope="module")
 def run(tiny_rl_setup, tmp_path_factory):
-    cfg = Config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6,
+    cfg = toy_config(**tiny_rl_setup, train_batch_size=16, ppo_mini_batch_size=8, rollout_n=8, max_response_length=6,
                  lr=3e-3, critic_lr=3e-3, critic_warmup=WARMUP, use_kl_in_reward=True, kl_ctrl_type="adaptive",
                  kl_coef=0.01, kl_target=0.01, kl_horizon=400, total_steps=16, eval_every=8,
                  out_dir=str(tmp_path_factory.mktemp("ppo") / "out"))

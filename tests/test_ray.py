@@ -19,6 +19,7 @@ import ray
 from safetensors.torch import load_file
 from test_spmd import args, launch
 
+from conftest import toy_config
 from config import Config
 from ray_trainer import RayConfig, RayTrainerConfig, train
 
@@ -41,7 +42,7 @@ def local_ray(tmp_path_factory):
 
 
 def config(setup: dict, out_dir, **overrides) -> Config:
-    return Config(**{**setup, "train_batch_size": 8, "ppo_mini_batch_size": 4, "rollout_n": 4,
+    return toy_config(**{**setup, "train_batch_size": 8, "ppo_mini_batch_size": 4, "rollout_n": 4,
                      "max_response_length": 6, "lr": 3e-3, "eval_every": 2, "total_steps": STEPS, "ckpt_every": 2,
                      "adv_estimator": "grpo", "out_dir": str(out_dir), **overrides})
 

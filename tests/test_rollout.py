@@ -154,7 +154,7 @@ def test_eos_max_tokens_and_prompt_major(policy, engine, eos_prone):
 
 def test_hf_rollout_same_interface(policy, engine, eos_prone):
     _, tok, model, prompts = policy
-    hf = HFRollout(model, tok)
+    hf = HFRollout(model, tok, torch.device("cpu"))
     model.train()  # the trainer's mode must survive generation
     greedy = hf.generate(prompts, n=1, max_tokens=12, temperature=0.0)
     assert model.training
@@ -170,7 +170,7 @@ def test_hf_rollout_same_interface(policy, engine, eos_prone):
     sequences = [p + p[::-1] for p in prompts]
     assert_close(hf.prompt_log_probs(sequences), engine.prompt_log_probs(sequences))
 
-    out = HFRollout(eos_prone, tok).generate(prompts, n=4, max_tokens=16, temperature=1.0, seeds=[0])
+    out = HFRollout(eos_prone, tok, torch.device("cpu")).generate(prompts, n=4, max_tokens=16, temperature=1.0, seeds=[0])
     assert_structure(out, len(prompts), 4, 16, tok.eos_token_id)
     ends = [r[-1] == tok.eos_token_id for r in out.responses]
     assert any(ends) and not all(ends)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from comm import init_distributed
+from conftest import toy_config
 from config import Config
 from data import checked_score
 from ppo import SPMD, check_out_dir, make_run, prompt_indices, rl_step, sample_seed, step_warnings, train
@@ -75,7 +76,7 @@ def test_a_bad_reward_stops_the_run_naming_function_source_and_row(tiny_rl_setup
     """The first scores (the step-0 evaluation) already stop the run, before any update or checkpoint."""
     (tmp_path / "bad.py").write_text(f"def judge(data_source, solution_str, ground_truth, extra_info=None):\n"
                                      f"    {body}\n")
-    cfg = Config(**{**tiny_rl_setup, "reward_fn_path": str(tmp_path / "bad.py")}, reward_fn_name="judge",
+    cfg = toy_config(**{**tiny_rl_setup, "reward_fn_path": str(tmp_path / "bad.py")}, reward_fn_name="judge",
                  rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=2, max_response_length=4,
                  total_steps=1, out_dir=str(tmp_path / "out"))
     with pytest.raises(error, match=rf"reward function judge on data_source 'arith' \(.*val.parquet, row 0\) {message}"):
@@ -102,7 +103,7 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tiny_rl_setup,
     """A third of the prompts always score 1 and a third always 0: dynamic sampling drops their groups, samples
     more prompts in rounds, and the step trains on train_batch_size groups whose rewards all differ within."""
     (tmp_path / "mixed.py").write_text(MIXED_REWARD)
-    cfg = Config(**{**tiny_rl_setup, "reward_fn_path": str(tmp_path / "mixed.py")}, adv_estimator="grpo",
+    cfg = toy_config(**{**tiny_rl_setup, "reward_fn_path": str(tmp_path / "mixed.py")}, adv_estimator="grpo",
                  rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=4, max_response_length=6,
                  dynamic_sampling=True, max_gen_rounds=12, out_dir=str(tmp_path / "out"))
     dist = init_distributed()
@@ -125,7 +126,7 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tiny_rl_setup,
 def test_a_full_disk_leaves_latest_on_the_previous_checkpoint(tiny_rl_setup, tmp_path, monkeypatch):
     """The second checkpoint's write fails with ENOSPC: the run stops naming the disk, its partial folder is gone,
     and `latest` still names step_1, from which the same command resumes."""
-    cfg = Config(**tiny_rl_setup, rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=2,
+    cfg = toy_config(**tiny_rl_setup, rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=2,
                  max_response_length=4, total_steps=3, ckpt_every=1, out_dir=str(tmp_path / "out"))
     real_save = torch.save
 
