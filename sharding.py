@@ -35,6 +35,7 @@ names the newest complete step folder.
 
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -67,7 +68,8 @@ class FSDPConfig:
     forward_prefetch: bool = False
     """All-gather layer i+1 while layer i computes (explicit prefetch); one more gathered layer in memory."""
     cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy)."""
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy): the optimizer steps
+    on the CPU, each layer is copied in for its forward and backward. For models whose state does not fit at all."""
 
     def __post_init__(self):
         for field in ("param_dtype", "reduce_dtype"):
@@ -75,13 +77,78 @@ class FSDPConfig:
                 raise ValueError(f"{field}={getattr(self, field)!r}: choose one of {sorted(DTYPES)}")
 
 
+@dataclass
+class OffloadConfig:
+    """Per role, what waits in CPU memory while the role is not computing (verl's param_offload and
+    optimizer_offload). GPU only: the moves go to pinned host memory and back, non-blocking; on CPU nothing moves."""
+
+    actor_params: bool = False
+    """The actor's parameter shards live in CPU memory, and come to the device for its log-prob pass, update,
+    checkpoints and export (the weight sync gathers them from the host, so generation runs without them)."""
+    actor_optimizer: bool = False
+    """The actor's AdamW state lives in CPU memory except during its update and checkpoints. (It always leaves the
+    device while the engine generates.)"""
+    ref_params: bool = False
+    """The reference policy's parameter shards live in CPU memory except during its log-prob pass."""
+    critic_params: bool = False
+    """The critic's parameter shards live in CPU memory except during its value pass, update and checkpoints."""
+    critic_optimizer: bool = False
+    """The critic's AdamW state lives in CPU memory except during its update and checkpoints."""
+
+
+def move_model(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Parameters and buffers to device, non-blocking (a GPU -> CPU copy lands in pinned memory, which the copy back
+    reads asynchronously), each Parameter object kept: the optimizer holds them, and a tied weight stays tied. A
+    plain tensor keeps its object through `.data =`; a DTensor (FSDP2's shards) would keep its old local tensor that
+    way, so nn.Module swaps the moved tensor into the old object instead (FSDP2's _apply then re-registers it)."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(any(isinstance(p, DTensor) for p in model.parameters()))
+    try:
+        model.to(device, non_blocking=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """The optimizer's per-parameter state (AdamW's moments) to device, non-blocking; the step counts (0-dim) stay
+    where AdamW keeps them."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                state[key] = value.to(device, non_blocking=True)
+
+
+@contextmanager
+def placed(inside: torch.device | str, after: torch.device | str, models=(), optimizers=()):
+    """models' parameters and optimizers' state moved to `inside` for the block, and to `after` when it ends. After
+    a move to the host, the freed GPU blocks go back to the driver (where vLLM, or another role, allocates)."""
+    def move(device):
+        for model in models:
+            move_model(model, device)
+        for optimizer in optimizers:
+            move_optimizer(optimizer, device)
+        if torch.device(device).type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # waits for the queued copies first
+
+    same = torch.device(inside) == torch.device(after) or not (models or optimizers)  # CPU-only: nothing moves
+    if not same:
+        move(inside)
+    try:
+        yield
+    finally:
+        if not same:
+            move(after)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Loading and sharding
 # ---------------------------------------------------------------------------------------------------
 
 
-def _set_trainable(model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
+def _set_trainable(model: torch.nn.Module, trainable: bool, gradient_checkpointing: bool) -> torch.nn.Module:
     model.requires_grad_(trainable)
+    if trainable and gradient_checkpointing:  # HF applies it in train mode only
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train(trainable)
 
 
@@ -112,14 +179,15 @@ def _shard(model: torch.nn.Module, dist: Dist, cfg: FSDPConfig) -> None:
 
 
 def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = None, trainable: bool = True,
-                       model_class=AutoModelForCausalLM,
-                       config: PreTrainedConfig | None = None) -> torch.nn.Module:
+                       model_class=AutoModelForCausalLM, config: PreTrainedConfig | None = None,
+                       gradient_checkpointing: bool = False) -> torch.nn.Module:
     """The HF model at model_path, FSDP2-sharded over dist.mesh["dp"] (plain on dist.device without a group).
 
     The master weights are fp32; FSDPConfig.param_dtype sets the compute dtype.
     trainable=False gives a frozen reference: no gradients, eval mode. model_class and config (None: the folder's)
     pick another head, e.g. a critic: AutoModelForTokenClassification with config.num_labels = 1; weights the
     folder lacks (the new head) are initialised on rank 0 and reach the other ranks with the rest.
+    gradient_checkpointing: each decoder layer recomputes its activations in backward (HF's, non-reentrant).
     """
     cfg = cfg or FSDPConfig()
     config = config or AutoConfig.from_pretrained(model_path)
@@ -127,7 +195,7 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
         model = model_class.from_pretrained(model_path, config=config, dtype=torch.float32).to(dist.device)
         if cfg.param_dtype != "float32":  # what FSDP's MixedPrecisionPolicy does under torchrun
             model.forward = torch.autocast(dist.device.type, dtype=DTYPES[cfg.param_dtype])(model.forward)
-        return _set_trainable(model, trainable)
+        return _set_trainable(model, trainable, gradient_checkpointing)
     if dist.rank == 0:
         model = model_class.from_pretrained(model_path, config=config, dtype=torch.float32)
         full_state = model.state_dict()  # keeps the full tensors alive past fully_shard, which swaps in shards
@@ -135,20 +203,18 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
         with torch.device("meta"):  # no memory, no init: the weights come from rank 0
             model = model_class.from_config(config, dtype=torch.float32)
         full_state = {}
-    _shard(model, dist, cfg)
-    if dist.rank != 0:
-        model.to_empty(device=dist.device)
+    _shard(model, dist, cfg)  # the shards on the mesh's device, or (cpu_offload) in host memory
+    if dist.rank != 0:  # shards where fully_shard would have put them; buffers, which FSDP leaves alone, on the device
+        model.to_empty(device="cpu" if cfg.cpu_offload else dist.device)
+        for buffer in model.buffers():
+            buffer.data = buffer.data.to(dist.device)
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full_state
     # Non-persistent buffers (rotary inv_freq) are in no state dict: meta ranks hold uninitialised memory.
     # Rank 0 computed them in the model's own __init__, so copying its values works for any architecture.
     for buffer in model.buffers():
         tdist.broadcast(buffer, src=0)
-    if cfg.cpu_offload and dist.device.type == "cuda":
-        model.to("cpu")  # sharded parameters to host memory, as CPUOffloadPolicy expects ...
-        for buffer in model.buffers():
-            buffer.data = buffer.data.to(dist.device)  # ... while buffers, which FSDP does not manage, stay on GPU
-    return _set_trainable(model, trainable)
+    return _set_trainable(model, trainable, gradient_checkpointing)
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:

@@ -34,7 +34,8 @@ from core_algos import agg_loss, head_log_probs, kl_penalty, lr_factor, policy_l
 from data import load_tokenizer
 from hybrid_engine import HybridEngine
 from rollout import make_rollout
-from sharding import DTYPES, clip_grad_norm, export_hf, load_sharded, load_sharded_model, save_sharded
+from sharding import (DTYPES, clip_grad_norm, export_hf, load_sharded, load_sharded_model, move_model, placed,
+                      save_sharded)
 
 LOSS_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")  # summed over micro-batches
 
@@ -139,6 +140,11 @@ class Worker:
     def __init__(self, cfg: Config, dist: Dist, model: torch.nn.Module, tokenizer, lr: float):
         self.cfg, self.dist, self.model, self.tokenizer, self.lr = cfg, dist, model, tokenizer, lr
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        # what waits in host memory between this role's phases (Config.offload)
+        self.offload_params = getattr(cfg.offload, f"{self.role}_params")
+        self.offload_optimizer = getattr(cfg.offload, f"{self.role}_optimizer")
+        if self.offload_params:
+            move_model(model, "cpu")
         self.updates = 0  # update() calls so far: the learning-rate schedule's position (saved in checkpoints)
         self.remove_padding = cfg.use_remove_padding and packing_works(model)
         if cfg.use_remove_padding and not self.remove_padding and dist.is_main:
@@ -154,17 +160,24 @@ class Worker:
         B, size = batch.batch_size[0], self.cfg.ppo_micro_batch_size
         return [list(range(i, min(i + size, B))) for i in range(0, B, size)]
 
-    def on_device(self, batch: TensorDict) -> TensorDict:
+    def to_device(self, batch: TensorDict) -> TensorDict:
         """The one place a batch crosses to this worker's device: a micro-batch of the CPU batch the controller
         passed. Results go back with .cpu() (map_micro_batches, metrics as floats)."""
         return batch.to(self.dist.device, non_blocking=True)
+
+    def resident(self, optimizer: bool = False):
+        """A context in which this worker's parameters (and with optimizer, its AdamW state) are on its device:
+        what Config.offload keeps in host memory comes in for the block and goes back after."""
+        models = [self.model] if self.offload_params else []
+        optimizers = [self.opt] if optimizer and self.offload_optimizer else []
+        return placed(self.dist.device, "cpu", models, optimizers)
 
     def map_micro_batches(self, fn, batch: TensorDict, max_tokens: int) -> torch.Tensor:
         """fn on each token-budget micro-batch of the CPU batch, on this worker's device; the results [B, ...] on the
         CPU, in batch's row order. Collective (the micro-batch count; FSDP2's gathers in fn)."""
         parts = self.micro_batch_parts(batch, max_tokens)
         rows = torch.tensor([i for p in parts for i in p])  # [B], the order the micro-batches ran in
-        out = torch.cat([fn(self.on_device(batch[torch.tensor(p)])).cpu() for p in parts])  # [B, ...] in that order
+        out = torch.cat([fn(self.to_device(batch[torch.tensor(p)])).cpu() for p in parts])  # [B, ...] in that order
         return out[rows.argsort()]
 
     def update(self, batch: TensorDict) -> dict:
@@ -172,6 +185,10 @@ class Worker:
         micro-batches. Returns this rank's metrics (the controller reduces them over the ranks).
         Collectives: per mini-batch, the token and sequence counts (reduce_metrics), the micro-batch count
         (use_dynamic_bsz), FSDP2's gathers and gradient reduce-scatters, and the global grad norm."""
+        with self.resident(optimizer=True):
+            return self._update(batch)
+
+    def _update(self, batch: TensorDict) -> dict:
         cfg, per_step = self.cfg, []
         warmup = cfg.lr_warmup_steps if cfg.lr_warmup_steps >= 0 else int(cfg.lr_warmup_steps_ratio * cfg.total_steps)
         for group in self.opt.param_groups:
@@ -195,7 +212,7 @@ class Worker:
                 step = {f"{self.role}/num_micro_batches": len(parts)}
                 for part in parts:
                     rows = torch.tensor(part)
-                    loss, metrics = self.micro_batch_loss(self.on_device(mb[rows]), counts, fresh=epoch == 0 and i == 0)
+                    loss, metrics = self.micro_batch_loss(self.to_device(mb[rows]), counts, fresh=epoch == 0 and i == 0)
                     loss.backward()
                     share = (mask[rows].sum() / mask.sum().clamp(min=1)).item()  # its token share, from the CPU batch
                     for k, v in metrics.items():
@@ -224,19 +241,22 @@ class Worker:
     def save_checkpoint(self, path: str) -> None:
         """Model and optimizer shards (DCP) and this rank's RNG states into the folder `path`. Collective (DCP)."""
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "updates": self.updates}
-        save_sharded(path, self.model, self.opt, rng, self.dist)
+        with self.resident(optimizer=True):
+            save_sharded(path, self.model, self.opt, rng, self.dist)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what save_checkpoint wrote (any world size), and the schedule's position: the next update's
         learning rate is this run's lr times the schedule's factor there. Collective."""
-        rng = load_sharded(path, self.model, self.opt, self.dist)
+        with self.resident(optimizer=True):
+            rng = load_sharded(path, self.model, self.opt, self.dist)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         self.updates = rng["updates"]
 
     def export(self, out_dir: str) -> None:
         """The full model and its tokenizer as a plain HF folder (rank 0 writes). Collective (the full weights)."""
-        export_hf(self.model, self.tokenizer, out_dir, self.dist)
+        with self.resident():
+            export_hf(self.model, self.tokenizer, out_dir, self.dist)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -252,8 +272,11 @@ class ActorWorker(Worker):
 
     def __init__(self, cfg: Config, model_path: str, dist: Dist):
         tokenizer = load_tokenizer(model_path)
-        super().__init__(cfg, dist, load_sharded_model(model_path, dist, cfg.fsdp), tokenizer, cfg.lr)  # fp32 masters
+        model = load_sharded_model(model_path, dist, cfg.fsdp, gradient_checkpointing=cfg.gradient_checkpointing)
+        super().__init__(cfg, dist, model, tokenizer, cfg.lr)  # fp32 masters
         self.ref = load_sharded_model(model_path, dist, cfg.fsdp, trainable=False) if cfg.use_reference else None
+        if self.ref is not None and cfg.offload.ref_params:
+            move_model(self.ref, "cpu")
         self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=self.model, tokenizer=tokenizer,
                                     device=dist.device, in_group=dist.mesh is not None,
                                     max_model_len=cfg.max_prompt_length + cfg.max_response_length,
@@ -261,7 +284,7 @@ class ActorWorker(Worker):
                                     gpu_memory_utilization=cfg.gpu_memory_utilization, tp=cfg.rollout_tp,
                                     cuda_graphs=cfg.cuda_graphs, verbose=cfg.verbose)
         # train mode <-> rollout mode, streaming the weights into the engine (the 3D-HybridEngine, hybrid_engine.py)
-        self.hybrid = HybridEngine(self.model, self.opt, self.rollout, dist, cfg.hybrid, DTYPES[cfg.fsdp.param_dtype])
+        self.hybrid = HybridEngine(self.model, self.rollout, dist, cfg.hybrid, DTYPES[cfg.fsdp.param_dtype])
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None,
                  greedy: bool = False) -> tuple[TensorDict, dict]:
@@ -271,7 +294,10 @@ class ActorWorker(Worker):
         Collectives: the weight sync (full_weights' all-gathers; verify_sync's checks), and one all-gather that
         agrees on the padded widths, so that every rank's batch has the same shape (rows can move between ranks)."""
         n, metrics = 1 if greedy else self.cfg.rollout_n, {}
-        with self.hybrid.rollout_mode(metrics), timer("gen", metrics):  # leaving it: the engine sleeps
+        # the AdamW state leaves the device while the engine takes its memory (it waits on the host anyway when
+        # offloaded); the parameters come to the device for the sync only (self.resident)
+        optimizer_away = placed("cpu", self.dist.device, optimizers=[] if self.offload_optimizer else [self.opt])
+        with optimizer_away, self.hybrid.rollout_mode(metrics, self.resident), timer("gen", metrics):
             out = self.rollout.generate(prompts, n=n, max_tokens=self.cfg.max_response_length,
                                         temperature=0.0 if greedy else self.cfg.temperature,
                                         top_p=self.cfg.top_p, seeds=seeds, ignore_eos=self.cfg.ignore_eos and not greedy)
@@ -285,8 +311,9 @@ class ActorWorker(Worker):
     @torch.no_grad()
     def log_probs(self, batch: TensorDict) -> torch.Tensor:
         """Sampled-token log-probs [B, R] under the current policy. Collectives: FSDP2's gathers (and the micro-batch
-        count with use_dynamic_bsz)."""
-        return self._log_probs(self.model, batch)
+        count)."""
+        with self.resident():
+            return self._log_probs(self.model, batch)
 
     @torch.no_grad()
     def ref_log_probs(self, batch: TensorDict) -> torch.Tensor:
@@ -294,7 +321,8 @@ class ActorWorker(Worker):
         as log_probs."""
         if self.ref is None:
             raise RuntimeError("ref_log_probs: no reference policy was loaded (use_kl_loss and use_kl_in_reward off)")
-        return self._log_probs(self.ref, batch)
+        with placed(self.dist.device, "cpu", models=[self.ref] if self.cfg.offload.ref_params else []):
+            return self._log_probs(self.ref, batch)
 
     def _log_probs(self, model, batch: TensorDict) -> torch.Tensor:
         return self.map_micro_batches(lambda mb: response_log_probs(model, mb, self.cfg.temperature,
@@ -355,15 +383,16 @@ class CriticWorker(Worker):
         with torch.random.fork_rng(devices=[]):  # a new head's initialisation: seeded, the global RNG untouched
             torch.manual_seed(cfg.seed)
             model = load_sharded_model(model_path, dist, cfg.fsdp, model_class=AutoModelForTokenClassification,
-                                       config=config)
+                                       config=config, gradient_checkpointing=cfg.gradient_checkpointing)
         super().__init__(cfg, dist, model, load_tokenizer(model_path), cfg.critic_lr)
 
     @torch.no_grad()
     def values(self, batch: TensorDict) -> torch.Tensor:
         """The value [B, R] of the state before each response token, 0 at padding. Collectives: FSDP2's gathers (and
-        the micro-batch count with use_dynamic_bsz, whose budget is log_prob_max_token_len_per_gpu)."""
-        return self.map_micro_batches(lambda mb: response_values(self.model, mb, self.remove_padding), batch,
-                                      self.cfg.log_prob_max_token_len_per_gpu)
+        the micro-batch count, whose budget is log_prob_max_token_len_per_gpu)."""
+        with self.resident():
+            return self.map_micro_batches(lambda mb: response_values(self.model, mb, self.remove_padding), batch,
+                                          self.cfg.log_prob_max_token_len_per_gpu)
 
     def micro_batch_loss(self, micro: TensorDict, counts: dict, fresh: bool) -> tuple[torch.Tensor, dict]:
         """The clipped value loss of one micro-batch against the returns, scaled by its mini-batch's counts."""

@@ -95,11 +95,11 @@ def worker(cfg: BenchConfig) -> None:
     dist = init_distributed()
     model = load_sharded_model(cfg.model_dir, dist)
     dtype = DTYPES[cfg.dtype]
-    rollout = VLLMRollout(cfg.model_dir, max_model_len=64, dtype=cfg.dtype, cpu_kv_cache_bytes=KV_CACHE_BYTES)
-    optimizer = torch.optim.AdamW(model.parameters())  # no state yet: nothing to offload on CPU anyway
+    rollout = VLLMRollout(cfg.model_dir, max_model_len=64, dtype=cfg.dtype, cpu_kv_cache_bytes=KV_CACHE_BYTES,
+                          in_group=True)  # each rank's engine on its own device
 
     def hybrid_sync(bucket_mb: float):
-        hybrid = HybridEngine(model, optimizer, rollout, dist, HybridConfig(bucket_mb=bucket_mb), dtype)
+        hybrid = HybridEngine(model, rollout, dist, HybridConfig(bucket_mb=bucket_mb), dtype)
 
         def sync():
             with hybrid.rollout_mode({}):

@@ -68,9 +68,9 @@ def one_element_off(tensor: torch.Tensor) -> torch.Tensor:
 def train_and_sync(model_dir: str, dist, res: dict, dtype: str = "float32") -> tuple:
     model = load_sharded_model(model_dir, dist, FSDPConfig(param_dtype=dtype))
     optimizer = make_optimizer(model)
-    rollout = VLLMRollout(model_dir, max_model_len=64, dtype=dtype)
+    rollout = VLLMRollout(model_dir, max_model_len=64, dtype=dtype, in_group=True)
     cfg = HybridConfig(verify_sync=True, verify_tol=BF16_TOL if dtype == "bfloat16" else 1e-4)
-    hybrid = HybridEngine(model, optimizer, rollout, dist, cfg, DTYPES[dtype])
+    hybrid = HybridEngine(model, rollout, dist, cfg, DTYPES[dtype])
     res["probe_before"] = rollout.prompt_log_probs(hybrid.probe.tolist())  # the saved weights
     batch = make_batch(model.config.vocab_size)
     res["syncs"] = []
@@ -87,7 +87,7 @@ def main(tied_dir: str, untied_dir: str, out_dir: str):
     model, optimizer, rollout = train_and_sync(tied_dir, dist, res["tied"])
     buckets = recording(rollout)
     for size in (1, 10 << 30):  # bytes
-        hybrid = HybridEngine(model, optimizer, rollout, dist, HybridConfig(bucket_mb=size / MB, verify_sync=True),
+        hybrid = HybridEngine(model, rollout, dist, HybridConfig(bucket_mb=size / MB, verify_sync=True),
                               torch.float32)
         del buckets[:]
         res["tied"][size] = {"metrics": sync(hybrid), "buckets": [list(b) for b in buckets]}

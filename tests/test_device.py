@@ -64,20 +64,25 @@ def cpu_batch(pad_id: int):
 
 
 def test_worker_passes_and_updates_compute_on_the_device_and_return_cpu(model_path, byte_tokenizer):
-    """log_probs, ref_log_probs, values and both updates (policy, KL and entropy losses, value loss, AdamW) with the
-    models on the pretend device and a CPU batch: nothing mixes devices, and what comes back is on the CPU."""
+    """log_probs, ref_log_probs, values and both updates (policy, KL and entropy losses, value loss, AdamW, gradient
+    checkpointing) with the models on the pretend device and a CPU batch: nothing mixes devices, and what comes back
+    is on the CPU. (Offload, which moves the models between phases, cannot be shown here: a move between a fake and a
+    real tensor makes new Parameter objects, which a move between CUDA and the host does not; bench/gpu_smoke.py
+    checks it on a GPU.)"""
     cfg = toy_config(model_path=model_path, rollout_backend="hf", adv_estimator="gae", rollout_n=2, train_batch_size=2,
-                     ppo_mini_batch_size=2, ppo_micro_batch_size=2, use_kl_loss=True, entropy_coeff=0.01)
+                     ppo_mini_batch_size=2, ppo_micro_batch_size=2, use_kl_loss=True, entropy_coeff=0.01,
+                     gradient_checkpointing=True)
     actor, critic = ActorWorker(cfg, model_path, init_distributed()), CriticWorker(cfg, model_path, init_distributed())
     batch = cpu_batch(byte_tokenizer.pad_token_id)
     with PretendAccelerator(allow_non_fake_inputs=True):
         for model in (actor.model, actor.ref, critic.model):
-            model.to(DEVICE)
+            model.to(DEVICE)  # new (fake) Parameter objects: each optimizer is made again over them
+        actor.opt, critic.opt = (torch.optim.AdamW(w.model.parameters(), lr=1e-3) for w in (actor, critic))
         actor.dist.device = critic.dist.device = DEVICE  # where a worker computes
         results = {"old_log_probs": actor.log_probs(batch), "ref_log_probs": actor.ref_log_probs(batch),
                    "values": critic.values(batch)}
         metrics = {**actor.update(batch), **critic.update(batch)}
-        assert next(actor.model.parameters()).device == DEVICE  # the models stayed where they compute
+        assert {v.device for s in actor.opt.state.values() for v in s.values() if v.dim()} == {DEVICE}
     for key, value in results.items():
         assert value.device.type == "cpu" and value.shape == batch["response_mask"].shape, key
     assert all(isinstance(v, float) for v in metrics.values()) and "actor/kl_loss" in metrics

@@ -332,3 +332,23 @@ def test_a_sync_that_leaves_out_a_weight_raises_naming_it(model_path, monkeypatc
         [(n, t) for n, t in bucket if n != "model.norm.weight"] for bucket in clean(*args)))
     with pytest.raises(RuntimeError, match=r"left out \['model.norm.weight'\]"):
         worker.generate([[5, 6, 7]], seeds=[0])
+
+
+def test_gradient_checkpointing_gives_the_same_update(model_path):
+    """Recomputing each layer's activations in backward changes memory, not the gradient: one update with and one
+    without gradient checkpointing end with the same weights and grad norm, the first keeping far fewer tensors."""
+    results = []
+    for checkpointing in (False, True):
+        cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                         ppo_mini_batch_size=4, ppo_micro_batch_size=8, max_response_length=6, lr=1e-2,
+                         entropy_coeff=0.01, gradient_checkpointing=checkpointing)
+        worker = ActorWorker(cfg, model_path, init_distributed())
+        batch, saved = make_batch(worker), []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
+            metrics = worker.update(batch)  # counts the tensors its forwards keep for backward
+        results.append((metrics["actor/grad_norm"], params(worker), len(saved)))
+    (norm, plain, saved), (norm_ckpt, ckpt, saved_ckpt) = results
+    assert saved_ckpt < saved / 3, (saved_ckpt, saved)  # the layers' activations are recomputed, not kept
+    assert norm_ckpt == pytest.approx(norm, rel=1e-5)
+    for k in plain:
+        torch.testing.assert_close(ckpt[k], plain[k], atol=1e-6, rtol=1e-5)

@@ -6,16 +6,20 @@ config values and files, rewards that are not finite numbers; dynamic sampling; 
 
 import errno
 import os
+import shutil
 from dataclasses import replace
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from comm import init_distributed
 from conftest import toy_config
-from config import Config
-from data import checked_score
-from ppo import SPMD, check_out_dir, make_run, prompt_indices, rl_step, sample_seed, step_warnings, train
+from config import BUILTIN_TASK, Config
+from core_algos import last_token
+from data import checked_score, load_tokenizer
+from ppo import (SPMD, check_out_dir, make_run, prompt_indices, rl_step, sample_seed, step_warnings, train,
+                 with_task_values)
 from sharding import find_latest, prune_checkpoints
 from workers import ActorWorker
 
@@ -65,6 +69,26 @@ def test_a_previous_run_is_never_overwritten_unasked(tmp_path):
 def test_config_names_bad_values_before_anything_starts(kwargs, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         Config(**kwargs)
+
+
+def test_a_model_you_bring_gets_verls_defaults_and_the_builtin_task_its_own(tiny_rl_setup, capsys):
+    """With --model-path the defaults are verl's for a real model; without it the built-in task applies its own values
+    to the fields left at their defaults (and says so once), while a field the user set keeps the user's value."""
+    real = with_task_values(Config(model_path=tiny_rl_setup["model_path"], max_prompt_length=32,
+                                   max_response_length=8))  # the tiny policy has 512 positions
+    assert (real.lr, real.critic_lr, real.train_batch_size, real.ppo_mini_batch_size) == (1e-6, 1e-5, 1024, 256)
+    assert real.log_prob_max_token_len_per_gpu == 16384 and Config().max_response_length == 1024
+    assert capsys.readouterr().out == ""
+    toy = with_task_values(Config(lr=1e-3))
+    assert toy.lr == 1e-3 and {k: getattr(toy, k) for k in BUILTIN_TASK if k != "lr"} == {
+        k: v for k, v in BUILTIN_TASK.items() if k != "lr"}
+    assert "built-in task (no --model-path): critic_lr=0.001" in capsys.readouterr().out
+
+
+def test_lengths_beyond_the_models_positions_are_named(tiny_rl_setup):
+    with pytest.raises(ValueError, match="max_prompt_length \\+ max_response_length = 1536 exceeds model_path's "
+                                         "max_position_embeddings=512"):
+        Config(model_path=tiny_rl_setup["model_path"])
 
 
 @pytest.mark.parametrize("body, error, message", [
@@ -121,6 +145,40 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tiny_rl_setup,
     again = rl_step(1, rows, make_run(cfg, cfg.model_path, cfg.train_files, cfg.val_files,
                                       ActorWorker(cfg, cfg.model_path, dist), None, SPMD(dist)), 0.0)[1]
     assert again["index"].tolist() == batch["index"].tolist() and (again["responses"] == batch["responses"]).all()
+
+
+def test_kl_in_reward_with_the_engines_old_log_probs(tiny_rl_setup, tmp_path):
+    """--use-kl-in-reward with --old-log-probs rollout: no recomputed pass, so the in-reward KL compares the engine's
+    log-probs with the reference's (it raised KeyError 'old_log_probs'). At step 1 policy = reference, so the
+    penalty is the engine-trainer gap only: tiny, and exactly k1 of rollout vs ref log-probs."""
+    cfg = toy_config(**tiny_rl_setup, adv_estimator="reinforce_plus_plus", rollout_backend="hf", train_batch_size=4,
+                     ppo_mini_batch_size=4, rollout_n=2, max_response_length=6, use_kl_in_reward=True,
+                     old_log_probs="rollout", kl_coef=0.5, out_dir=str(tmp_path / "out"))
+    dist = init_distributed()
+    run = make_run(cfg, cfg.model_path, cfg.train_files, cfg.val_files, ActorWorker(cfg, cfg.model_path, dist), None,
+                   SPMD(dist))
+    metrics, batch, _ = rl_step(1, [run.train_ds[i] for i in prompt_indices(1, cfg, len(run.train_ds))], run, 0.5)
+    assert "old_log_probs" not in batch.keys()
+    mask = batch["response_mask"]
+    kl = (batch["rollout_log_probs"] - batch["ref_log_probs"]) * mask  # [B, R], k1
+    expected = last_token(batch["scores"], mask) - 0.5 * kl
+    torch.testing.assert_close(batch["token_level_rewards"], expected)
+    assert abs(metrics["actor/reward_kl_penalty"]) < 1e-4
+
+
+def test_a_tokenizer_without_pad_gets_eos(tiny_rl_setup, tmp_path):
+    """Llama-3-style tokenizers have no pad token: the RL workers pad with EOS (the masks come from lengths)."""
+    tokenizer = load_tokenizer(tiny_rl_setup["model_path"])
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_rl_setup["model_path"], name), tmp_path / name)
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token_id is None
+    cfg = toy_config(model_path=str(tmp_path), rollout_backend="hf", rollout_n=2, max_response_length=6)
+    actor = ActorWorker(cfg, cfg.model_path, init_distributed())
+    batch, _ = actor.generate([[5, 6, 7], [8, 9]], seeds=[0, 1])
+    assert actor.tokenizer.pad_token_id == actor.tokenizer.eos_token_id
+    assert (batch["prompts"][2:, 0] == actor.tokenizer.eos_token_id).all()  # the shorter prompt, left-padded
 
 
 def test_a_full_disk_leaves_latest_on_the_previous_checkpoint(tiny_rl_setup, tmp_path, monkeypatch):
