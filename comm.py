@@ -103,7 +103,7 @@ def reduce_metrics(metrics: dict[str, float], dist: Dist, sum_keys: tuple[str, .
     # one all_gather of a packed vector instead of one collective per key; float64 keeps token counts exact
     local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=dist.device)  # [K]
     gathered = torch.empty(dist.dp_size * len(keys), dtype=torch.float64, device=dist.device)  # [dp * K]
-    tdist.all_gather_single(gathered, local, group=dist.mesh["dp"].get_group())
+    tdist.all_gather_into_tensor(gathered, local, group=dist.mesh["dp"].get_group())
     return _reduce_rows(gathered.view(dist.dp_size, len(keys)).cpu(), keys, sum_keys)  # [dp, K]
 
 

@@ -70,6 +70,8 @@ class VLLMRollout:
     those groups from the torchrun world). The ranks of a TP group must send identical requests: generate gathers
     their prompts, every rank of the group generates all of them, and each keeps its own."""
 
+    uses_trainer_model = False  # it holds its own copy of the weights, synced in rollout mode
+
     def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0, dtype: str = "float32",
                  gpu_memory_utilization: float = 0.5, cpu_kv_cache_bytes: int = CPU_KV_CACHE_BYTES,
                  in_group: bool = False, tp: int = 1, cuda_graphs: bool = False, verbose: bool = False):
@@ -111,6 +113,15 @@ class VLLMRollout:
         # over every weight exactly once (and, with verify_sync, that the engine computes with them).
         logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
         self._warned_sleep = False
+
+    @property
+    def device(self) -> torch.device:
+        """The device the engine's model runs on (this rank's, under torchrun)."""
+        return self._worker().device
+
+    def _worker(self):
+        """The in-process engine's worker: its model, weight reloads."""
+        return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
 
     def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float,
                  top_p: float = 1.0, seeds: list[int] | None = None, ignore_eos: bool = False) -> RolloutOutput:
@@ -156,8 +167,7 @@ class VLLMRollout:
         vLLM module must come in one call (q/k/v and gate/up are fused there): the loader rebuilds a module from
         what one call brought, and a missing part comes out as uninitialised memory (measured: NaN log-probs when
         each tensor came alone). sharding.full_weights' buckets hold whole decoder layers for this reason."""
-        worker = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
-        worker.reload_weights(weights_iterator=self._with_tied_head(weights) if self.tied else weights)
+        self._worker().reload_weights(weights_iterator=self._with_tied_head(weights) if self.tied else weights)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     def close(self) -> None:
@@ -230,6 +240,8 @@ def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> int:
 
 class HFRollout:
     """Generates with the trainer's own model (no copy, so weights are always current)."""
+
+    uses_trainer_model = True  # the trainer's parameters must be on the device while it generates
 
     def __init__(self, model, tokenizer, device: torch.device):
         self.model, self.tokenizer, self.device = model, tokenizer, device

@@ -142,13 +142,16 @@ class SFTConfig:
 # ---------------------------------------------------------------------------------------------------
 
 
-def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+def build_byte_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     """A byte-level tokenizer with no merges: one token per byte, so any text encodes.
 
     It is a GPT-2/Qwen-style byte-level BPE with an empty merge list, so transformers' Qwen2Tokenizer
     (which AutoTokenizer picks for a qwen2 model) and vLLM rebuild exactly the same tokenizer from it.
+    vocab_size: filler tokens (never produced by encoding) up to a real model's vocabulary, for benches at its shapes.
     """
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokens = SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens += [f"<|filler{i}|>" for i in range(len(tokens), vocab_size or 0)]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -178,6 +178,15 @@ def _shard(model: torch.nn.Module, dist: Dist, cfg: FSDPConfig) -> None:
             layer.set_modules_to_forward_prefetch([next_layer])
 
 
+def compute_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """One process: the model's forward computes in dtype (torch.autocast; the weights stay in theirs), as FSDP's
+    MixedPrecisionPolicy does under torchrun. No cast cache: a no-grad pass would otherwise hold a second copy of
+    every weight until the forward ends (backward keeps the casts it needs anyway)."""
+    if dtype != torch.float32:
+        device = next(model.parameters()).device.type
+        model.forward = torch.autocast(device, dtype=dtype, cache_enabled=False)(model.forward)
+
+
 def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = None, trainable: bool = True,
                        model_class=AutoModelForCausalLM, config: PreTrainedConfig | None = None,
                        gradient_checkpointing: bool = False) -> torch.nn.Module:
@@ -193,8 +202,7 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
     config = config or AutoConfig.from_pretrained(model_path)
     if dist.mesh is None:
         model = model_class.from_pretrained(model_path, config=config, dtype=torch.float32).to(dist.device)
-        if cfg.param_dtype != "float32":  # what FSDP's MixedPrecisionPolicy does under torchrun
-            model.forward = torch.autocast(dist.device.type, dtype=DTYPES[cfg.param_dtype])(model.forward)
+        compute_in(model, DTYPES[cfg.param_dtype])
         return _set_trainable(model, trainable, gradient_checkpointing)
     if dist.rank == 0:
         model = model_class.from_pretrained(model_path, config=config, dtype=torch.float32)

@@ -21,7 +21,7 @@ attention_mask and position_ids [B, P + R], response_mask [B, R] (float), rollou
 
 import math
 import random
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from tensordict import TensorDict
@@ -143,13 +143,13 @@ class Worker:
         # what waits in host memory between this role's phases (Config.offload)
         self.offload_params = getattr(cfg.offload, f"{self.role}_params")
         self.offload_optimizer = getattr(cfg.offload, f"{self.role}_optimizer")
-        if self.offload_params:
-            move_model(model, "cpu")
         self.updates = 0  # update() calls so far: the learning-rate schedule's position (saved in checkpoints)
         self.remove_padding = cfg.use_remove_padding and packing_works(model)
         if cfg.use_remove_padding and not self.remove_padding and dist.is_main:
             print(f"use_remove_padding: the {model.config._attn_implementation} attention lets packed sequences "
                   f"see each other (batching.packing_works); {self.role}: running padded micro-batches instead")
+        if self.offload_params:  # from now on the parameters come to the device for each phase (resident)
+            move_model(model, "cpu")
 
     def micro_batch_parts(self, batch: TensorDict, max_tokens: int | None) -> list[list[int]]:
         """Row indices of batch's micro-batches: within max_tokens (the no-grad passes always; the update with
@@ -297,7 +297,11 @@ class ActorWorker(Worker):
         # the AdamW state leaves the device while the engine takes its memory (it waits on the host anyway when
         # offloaded); the parameters come to the device for the sync only (self.resident)
         optimizer_away = placed("cpu", self.dist.device, optimizers=[] if self.offload_optimizer else [self.opt])
-        with optimizer_away, self.hybrid.rollout_mode(metrics, self.resident), timer("gen", metrics):
+        # vLLM holds its own weights: the trainer's come to the device for the sync only; HF generate runs the
+        # trainer's own model, which stays for the whole of rollout mode
+        sync_resident, resident = (nullcontext, self.resident()) if self.rollout.uses_trainer_model else \
+            (self.resident, nullcontext())
+        with optimizer_away, resident, self.hybrid.rollout_mode(metrics, sync_resident), timer("gen", metrics):
             out = self.rollout.generate(prompts, n=n, max_tokens=self.cfg.max_response_length,
                                         temperature=0.0 if greedy else self.cfg.temperature,
                                         top_p=self.cfg.top_p, seeds=seeds, ignore_eos=self.cfg.ignore_eos and not greedy)
