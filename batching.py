@@ -23,7 +23,6 @@ import bisect
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as tdist

@@ -64,7 +64,8 @@ class Config:
     each run one engine sharded over them, generating the prompts of all its ranks; each rank keeps its own."""
     cuda_graphs: bool = False
     """GPU: let vLLM capture CUDA graphs (enforce_eager off): faster decoding, valid only while every weight sync
-    rewrites the engine's weights in place (see bench/gpu_smoke.py); off: eager, any reload is safe."""
+    rewrites the engine's weights in place (not yet shown on a GPU: check the probe with --hybrid.verify-sync);
+    off: eager, any reload is safe."""
     # ---- algorithm ----
     adv_estimator: AdvEstimator = "gae"
     """gae: PPO with a critic (python ppo.py's default); grpo (python grpo.py's), rloo, reinforce_plus_plus and

@@ -64,11 +64,11 @@ class VLLMRollout:
     """An in-process vLLM engine. Keep it alive for the whole run: its shutdown destroys the default
     process group (vLLM's cleanup), so close() comes after the run's last collective.
 
-    In a process group (in_group: torchrun, or a Ray worker group) it is verl's colocated engine: distributed_executor_backend
-    "external_launcher" reads RANK and LOCAL_RANK, so each rank's engine sits on its own device (the default uniproc
-    executor would put every rank's on device 0), and tp > 1 shards one engine over tp consecutive ranks (vLLM forms
-    those groups from the torchrun world). The ranks of a TP group must send identical requests: generate gathers
-    their prompts, every rank of the group generates all of them, and each keeps its own."""
+    In a process group (in_group: torchrun, or a Ray worker group) it is verl's colocated engine:
+    distributed_executor_backend "external_launcher" reads RANK and LOCAL_RANK, so each rank's engine sits on its own
+    device (the default uniproc executor would put every rank's on device 0), and tp > 1 shards one engine over tp
+    consecutive ranks (vLLM forms those groups from the torchrun world). The ranks of a TP group must send identical
+    requests: generate gathers their prompts, every rank of the group generates all of them, and each keeps its own."""
 
     uses_trainer_model = False  # it holds its own copy of the weights, synced in rollout mode
 

@@ -10,10 +10,12 @@ A controller (ppo.py's torchrun loop on every rank, or a Ray driver calling ever
     batch["values"] = critic.values(batch)             # [B, R]
     metrics = critic.update(batch); metrics = actor.update(batch)
     actor.save_checkpoint(path); actor.load_checkpoint(path); actor.export(out_dir); actor.close()
-Arguments and results are TensorDicts ([B, ...], a rank's shard of the batch) or plain Python. Nothing outside a
-worker touches its attributes. Every collective a method performs runs over the worker's own process group (its
-dp ranks; none in one process) and is named in its docstring: every rank of the group must make the same calls
-in the same order.
+Arguments and results are TensorDicts ([B, ...], a rank's shard of the batch) or plain Python, on the CPU: a worker
+moves each micro-batch to its device (to_device, the one place) and returns CPU results, so the loop, the Ray driver
+and the math between phases never hold a device tensor (tests/test_device.py). What Config.offload keeps in host
+memory comes to the device for the phase that needs it (resident). Nothing outside a worker touches its
+attributes. Every collective a method performs runs over the worker's own process group (its dp ranks; none in one
+process) and is named in its docstring: every rank of the group must make the same calls in the same order.
 
 Batch layout (verl's): prompts left-padded [B, P], responses right-padded [B, R], input_ids = both [B, P + R],
 attention_mask and position_ids [B, P + R], response_mask [B, R] (float), rollout_log_probs [B, R] (the engine's).
@@ -78,7 +80,8 @@ def response_positions(batch: TensorDict, remove_padding: bool) -> tuple[dict, t
     if not remove_padding:
         inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                       position_ids=batch["position_ids"])
-        columns = torch.arange(T - R - 1, T - 1, device=batch["input_ids"].device)  # [R]: position t predicts token t + 1
+        # [R]: position t predicts token t + 1
+        columns = torch.arange(T - R - 1, T - 1, device=batch["input_ids"].device)
         return inputs, columns, batch["response_mask"].bool()
     packed = pack(batch["input_ids"], batch["attention_mask"])  # [1, N]; use_cache=False, or no packing is detected
     where = packed.where[:, -R - 1 : -1]  # [B, R]: the packed positions that predict the response tokens
@@ -304,7 +307,8 @@ class ActorWorker(Worker):
         with optimizer_away, resident, self.hybrid.rollout_mode(metrics, sync_resident), timer("gen", metrics):
             out = self.rollout.generate(prompts, n=n, max_tokens=self.cfg.max_response_length,
                                         temperature=0.0 if greedy else self.cfg.temperature,
-                                        top_p=self.cfg.top_p, seeds=seeds, ignore_eos=self.cfg.ignore_eos and not greedy)
+                                        top_p=self.cfg.top_p, seeds=seeds,
+                                        ignore_eos=self.cfg.ignore_eos and not greedy)
         widths = reduce_metrics({"P/max": max(map(len, prompts)), "R/max": max(1, max(map(len, out.responses)))},
                                 self.dist)
         repeated = [p for p in prompts for _ in range(n)]

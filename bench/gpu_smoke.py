@@ -178,13 +178,15 @@ def make_inputs(cfg: SmokeConfig) -> dict:
     del model
     train, val = write_parquet(ArithConfig(out_dir=str(root / "data"), n_train=256, n_val=16))
     (root / "reward.py").write_text(REWARD)
-    return dict(model_path=str(root / "model"), train_files=train, val_files=val, reward_fn_path=str(root / "reward.py"))
+    return dict(model_path=str(root / "model"), train_files=train, val_files=val,
+                reward_fn_path=str(root / "reward.py"))
 
 
 def flags(inputs: dict, cfg: SmokeConfig, out: str, **extra) -> list[str]:
-    run = dict(inputs, out_dir=out, adv_estimator="grpo", total_steps=cfg.steps, ckpt_every=2, eval_every=100, val_size=8,
-               train_batch_size=cfg.prompts, ppo_mini_batch_size=cfg.prompts, rollout_n=4, max_prompt_length=64,
-               max_response_length=cfg.response_tokens, lr=1e-5, ppo_micro_batch_size=8, overwrite=True)
+    run = dict(inputs, out_dir=out, adv_estimator="grpo", total_steps=cfg.steps, ckpt_every=2, eval_every=100,
+               val_size=8, train_batch_size=cfg.prompts, ppo_mini_batch_size=cfg.prompts, rollout_n=4,
+               max_prompt_length=64, max_response_length=cfg.response_tokens, lr=1e-5, ppo_micro_batch_size=8,
+               overwrite=True)
     run.update(extra)
     out = [f"--{k.replace('_', '-')}={v}" for k, v in run.items() if not isinstance(v, bool)]
     out += [f"--{k.replace('_', '-')}" for k, v in run.items() if v is True]
@@ -199,7 +201,7 @@ def launch(cmd: list[str], name: str, root: Path) -> dict:
     start = time.perf_counter()
     with open(root / f"{name}.log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+                              env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     text = (root / f"{name}.log").read_text()
     if proc.returncode != 0:
         sys.exit(f"{name} failed (exit {proc.returncode}); the end of {root / (name + '.log')}:\n{text[-4000:]}")

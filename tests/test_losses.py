@@ -1,7 +1,7 @@
 """Hand-checked tests of core_algos.py: masked_mean, agg_loss, policy_loss, tis_weights, value_loss, kl_penalty,
-token_log_probs (entropy, chunked head), token rewards and the in-reward KL controller, GAE, REINFORCE++(-baseline), whitening,
-group_advantages / grpo_advantages / rloo_advantages, compute_advantages; and Config's checks. Tiny tensors, no
-models.
+token_log_probs (entropy, chunked head), token rewards and the in-reward KL controller, GAE, REINFORCE++(-baseline),
+whitening, group_advantages / grpo_advantages / rloo_advantages, compute_advantages; and Config's checks. Tiny
+tensors, no models.
     python -m pytest tests/test_losses.py -q
 
 Every expected value is written out by hand (literal numbers or scalar python with math), never by
@@ -361,7 +361,7 @@ def test_entropy_peaked_distributions_by_hand():
 
 
 def test_token_log_probs_equal_log_softmax():
-    """The target's logit minus logsumexp is log_softmax's entry, at any temperature, and the entropy is -sum p log p."""
+    """The target's logit minus logsumexp is log_softmax's entry, at any temperature; the entropy is -sum p log p."""
     g = torch.Generator().manual_seed(0)
     logits, targets = torch.randn(3, 4, 11, generator=g, dtype=torch.float64), torch.randint(0, 11, (3, 4), generator=g)
     logp, entropy = token_log_probs(logits, targets, temperature=0.7, with_entropy=True)

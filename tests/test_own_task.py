@@ -18,7 +18,6 @@ from dataclasses import replace
 import pandas as pd
 from conftest import TINY, toy_config
 
-from config import Config
 from ppo import train as train_rl
 from sft import run as run_sft
 
@@ -57,8 +56,9 @@ def test_own_task_warm_start_then_grpo(tmp_path):
     result = json.load(open(os.path.join(warm, "sft_result.json")))
     assert 0.1 <= result["val/accuracy"] <= 0.9  # the habit: greedy is right on some held-out words, not most
     assert result["val/accuracy"] == max(h["val/accuracy"] for h in result["history"])  # the best one kept
-    cfg = toy_config(model_path=warm, train_files=files["train"], val_files=files["val"], reward_fn_path=files["reward"],
-                 adv_estimator="grpo", total_steps=10, eval_every=5, out_dir=str(tmp_path / "rl"))  # grpo.py's run
+    cfg = toy_config(model_path=warm, train_files=files["train"], val_files=files["val"],
+                     reward_fn_path=files["reward"], adv_estimator="grpo", total_steps=10, eval_every=5,
+                     out_dir=str(tmp_path / "rl"))  # grpo.py's run
     records = train_rl(cfg)
     accuracy = [r["val/accuracy"] for r in records if "val/accuracy" in r]  # steps 0, 5, 10
     # the RL run scores the warm start as sft.py did: the same reward dispatch (vLLM's greedy instead of HF's)

@@ -53,8 +53,9 @@ def test_micro_batches_give_the_whole_batch_gradient(model_path, mode):
     """Splitting a mini-batch into micro-batches of 3 sequences changes nothing, in every aggregation mode."""
     results = []
     for micro in (3, 16):
-        cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
-                     ppo_micro_batch_size=micro, loss_agg_mode=mode, lr=1e-2, max_response_length=6)
+        cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                         ppo_mini_batch_size=4, ppo_micro_batch_size=micro, loss_agg_mode=mode, lr=1e-2,
+                         max_response_length=6)
         worker = ActorWorker(cfg, model_path, init_distributed())
         batch = make_batch(worker)
         before = params(worker)
@@ -70,8 +71,8 @@ def test_micro_batches_give_the_whole_batch_gradient(model_path, mode):
 
 def test_non_finite_gradient_skips_the_step(model_path):
     """A NaN advantage poisons the gradient: the optimizer step is skipped and the weights stay as they were."""
-    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=2,
-                 max_response_length=6)
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                     ppo_mini_batch_size=2, max_response_length=6)
     worker = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(worker)
     batch["advantages"][: cfg.rollout_n * 2] = float("nan")  # the first mini-batch only
@@ -86,7 +87,7 @@ def test_non_finite_gradient_skips_the_step(model_path):
 def test_hf_rollout_passes_sync_verification(model_path):
     """HF generate runs on the trainer's model, yet the hybrid engine's checksums must still see every weight."""
     cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=2, max_response_length=6,
-                 hybrid=HybridConfig(verify_sync=True))
+                     hybrid=HybridConfig(verify_sync=True))
     worker = ActorWorker(cfg, model_path, init_distributed())
     # generate enters rollout mode, which raises, naming a parameter, if a checksum or the probe disagrees
     _, metrics = worker.generate([[5, 6, 7]], seeds=[0])
@@ -97,8 +98,8 @@ def test_tis_weights_reach_the_update(model_path):
     """The engine's log-probs set apart from the trainer's (ratios e^-1, e^0.5 and e^1.5, the last capped at 2):
     one on-policy mini-batch with tis_cap updates exactly as plain PPO does on advantages times the truncated
     weights, and not as plain PPO on the raw advantages."""
-    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
-                 max_response_length=6, tis_cap=2.0)
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                     ppo_mini_batch_size=4, max_response_length=6, tis_cap=2.0)
     worker = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(worker)
     mask = batch["response_mask"]
@@ -125,8 +126,9 @@ def test_old_log_probs_from_the_update_or_the_engine_match_the_recomputed(model_
     """One optimizer step on the sampling weights: old log-probs from the update's own first forward (update) give
     the recomputing pass's update exactly; the engine's (rollout) give it within what the engine-trainer gap
     allows, and the update reports that gap as the recomputing pass measures it."""
-    base = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
-                  max_response_length=6, lr=1e-2, clip_ratio_low=10.0, clip_ratio_high=10.0)  # no clipping: ratios
+    base = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                      ppo_mini_batch_size=4, max_response_length=6, lr=1e-2, clip_ratio_low=10.0,
+                      clip_ratio_high=10.0)  # no clipping: ratios
     runs = {}
     for mode in ("recompute", "update", "rollout"):
         worker = ActorWorker(replace(base, old_log_probs=mode), model_path, init_distributed())
@@ -156,8 +158,8 @@ def test_old_log_probs_from_the_update_or_the_engine_match_the_recomputed(model_
 def test_one_process_computes_in_param_dtype(model_path):
     """Without FSDP, fsdp.param_dtype=bfloat16 still sets the compute dtype (autocast): the log-probs move by a
     bf16 rounding, not more; the masters and their update stay fp32."""
-    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
-                 max_response_length=6)
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                     ppo_mini_batch_size=4, max_response_length=6)
     fp32 = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(fp32)
     cfg.fsdp.param_dtype = "bfloat16"
@@ -174,8 +176,9 @@ def test_one_process_computes_in_param_dtype(model_path):
 def test_lr_schedule_resumes_where_it_stopped(model_path, tmp_path):
     """Warmup then cosine over 4 updates: 2 updates, a checkpoint, a new worker that loads it and makes 2 more
     runs at the uninterrupted worker's learning rates, and ends with its weights."""
-    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
-                 max_response_length=6, total_steps=4, lr_warmup_steps=2, lr_scheduler="cosine", min_lr_ratio=0.1)
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                     ppo_mini_batch_size=4, max_response_length=6, total_steps=4, lr_warmup_steps=2,
+                     lr_scheduler="cosine", min_lr_ratio=0.1)
     whole = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(whole)
     lrs = [whole.update(batch.clone())["actor/lr"] for _ in range(4)]
@@ -193,8 +196,8 @@ def test_lr_schedule_resumes_where_it_stopped(model_path, tmp_path):
 
 def test_loss_mask_drops_responses_from_the_update(model_path):
     """A loss_mask that drops the first prompt's responses updates the actor exactly as the batch without them."""
-    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
-                 max_response_length=6, lr=1e-2)
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                     ppo_mini_batch_size=4, max_response_length=6, lr=1e-2)
     masked, dropped = (ActorWorker(cfg, model_path, init_distributed()) for _ in range(2))
     batch = make_batch(masked)
     keep = torch.arange(batch.batch_size[0]) >= cfg.rollout_n  # [B]
@@ -234,8 +237,8 @@ def test_ignore_eos_samples_full_length(model_path):
 @pytest.fixture(scope="module")
 def critic_setup(model_path):
     """A sampled batch whose returns are the scores on every response token (gamma = lambda = 1, no KL)."""
-    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
-                 max_response_length=6, critic_lr=1e-2)
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                     ppo_mini_batch_size=4, max_response_length=6, critic_lr=1e-2)
     batch = make_batch(ActorWorker(cfg, model_path, init_distributed()))
     batch["returns"] = batch["scores"].unsqueeze(-1) * batch["response_mask"]  # [B, R]
     return cfg, batch
@@ -293,8 +296,8 @@ def test_critic_fits_the_returns(model_path, critic_setup):
 def test_ppo_epochs_replay_the_batch(model_path):
     """ppo_epochs=2 is two passes over the same batch with the same old log-probs: the weights of one update with
     2 epochs equal those of two updates with 1, and the second pass starts off-policy (a nonzero ratio)."""
-    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=2,
-                 max_response_length=6, lr=1e-2)
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                     ppo_mini_batch_size=2, max_response_length=6, lr=1e-2)
     once = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(once)
     first = once.update(batch)
@@ -311,8 +314,8 @@ def test_ppo_epochs_replay_the_batch(model_path):
 def test_entropy_bonus_raises_the_entropy(model_path, coeff):
     """With zero advantages only the bonus pulls: entropy_coeff > 0 raises the policy's entropy on the batch (the
     loss subtracts coeff * entropy), < 0 lowers it."""
-    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4, ppo_mini_batch_size=4,
-                 max_response_length=6, lr=1e-2, entropy_coeff=coeff)
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                     ppo_mini_batch_size=4, max_response_length=6, lr=1e-2, entropy_coeff=coeff)
     worker = ActorWorker(cfg, model_path, init_distributed())
     batch = make_batch(worker)
     batch["advantages"] = torch.zeros_like(batch["advantages"])

@@ -15,7 +15,6 @@ import pytest
 from safetensors.torch import load_file
 from conftest import assert_reward_rises, toy_config
 
-from config import Config
 from core_algos import update_kl_coef
 from ppo import train
 

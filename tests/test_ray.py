@@ -43,8 +43,8 @@ def local_ray(tmp_path_factory):
 
 def config(setup: dict, out_dir, **overrides) -> Config:
     return toy_config(**{**setup, "train_batch_size": 8, "ppo_mini_batch_size": 4, "rollout_n": 4,
-                     "max_response_length": 6, "lr": 3e-3, "eval_every": 2, "total_steps": STEPS, "ckpt_every": 2,
-                     "adv_estimator": "grpo", "out_dir": str(out_dir), **overrides})
+                         "max_response_length": 6, "lr": 3e-3, "eval_every": 2, "total_steps": STEPS,
+                         "ckpt_every": 2, "adv_estimator": "grpo", "out_dir": str(out_dir), **overrides})
 
 
 def records(out_dir) -> list[dict]:

@@ -11,7 +11,6 @@ import ray
 from ray.cluster_utils import Cluster
 
 from conftest import toy_config
-from config import Config
 from ray_trainer import RayConfig, RayTrainerConfig, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +24,7 @@ def test_a_pool_across_two_nodes(tiny_rl_setup, tmp_path, capsys):
         ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": ROOT, "RAY_AUTH_MODE": "disabled"}})
         assert len([n for n in ray.nodes() if n["Alive"]]) == 2
         cfg = toy_config(**tiny_rl_setup, train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4, max_response_length=6,
-                     total_steps=2, eval_every=2, adv_estimator="grpo", out_dir=str(tmp_path))
+                         total_steps=2, eval_every=2, adv_estimator="grpo", out_dir=str(tmp_path))
         records = train(RayTrainerConfig(cfg, RayConfig(workers=2, strategy="STRICT_SPREAD")))
     finally:
         ray.shutdown()

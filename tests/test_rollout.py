@@ -170,7 +170,8 @@ def test_hf_rollout_same_interface(policy, engine, eos_prone):
     sequences = [p + p[::-1] for p in prompts]
     assert_close(hf.prompt_log_probs(sequences), engine.prompt_log_probs(sequences))
 
-    out = HFRollout(eos_prone, tok, torch.device("cpu")).generate(prompts, n=4, max_tokens=16, temperature=1.0, seeds=[0])
+    out = HFRollout(eos_prone, tok, torch.device("cpu")).generate(prompts, n=4, max_tokens=16, temperature=1.0,
+                                                                  seeds=[0])
     assert_structure(out, len(prompts), 4, 16, tok.eos_token_id)
     ends = [r[-1] == tok.eos_token_id for r in out.responses]
     assert any(ends) and not all(ends)

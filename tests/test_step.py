@@ -101,8 +101,8 @@ def test_a_bad_reward_stops_the_run_naming_function_source_and_row(tiny_rl_setup
     (tmp_path / "bad.py").write_text(f"def judge(data_source, solution_str, ground_truth, extra_info=None):\n"
                                      f"    {body}\n")
     cfg = toy_config(**{**tiny_rl_setup, "reward_fn_path": str(tmp_path / "bad.py")}, reward_fn_name="judge",
-                 rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=2, max_response_length=4,
-                 total_steps=1, out_dir=str(tmp_path / "out"))
+                     rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=2,
+                     max_response_length=4, total_steps=1, out_dir=str(tmp_path / "out"))
     with pytest.raises(error, match=rf"reward function judge on data_source 'arith' \(.*val.parquet, row 0\) {message}"):
         train(cfg)
     assert not (tmp_path / "out" / "final").exists()
@@ -128,8 +128,8 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tiny_rl_setup,
     more prompts in rounds, and the step trains on train_batch_size groups whose rewards all differ within."""
     (tmp_path / "mixed.py").write_text(MIXED_REWARD)
     cfg = toy_config(**{**tiny_rl_setup, "reward_fn_path": str(tmp_path / "mixed.py")}, adv_estimator="grpo",
-                 rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=4, max_response_length=6,
-                 dynamic_sampling=True, max_gen_rounds=12, out_dir=str(tmp_path / "out"))
+                     rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=4,
+                     max_response_length=6, dynamic_sampling=True, max_gen_rounds=12, out_dir=str(tmp_path / "out"))
     dist = init_distributed()
     actor = ActorWorker(cfg, cfg.model_path, dist)
     run = make_run(cfg, cfg.model_path, cfg.train_files, cfg.val_files, actor, None, SPMD(dist))
@@ -185,7 +185,7 @@ def test_a_full_disk_leaves_latest_on_the_previous_checkpoint(tiny_rl_setup, tmp
     """The second checkpoint's write fails with ENOSPC: the run stops naming the disk, its partial folder is gone,
     and `latest` still names step_1, from which the same command resumes."""
     cfg = toy_config(**tiny_rl_setup, rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=2,
-                 max_response_length=4, total_steps=3, ckpt_every=1, out_dir=str(tmp_path / "out"))
+                     max_response_length=4, total_steps=3, ckpt_every=1, out_dir=str(tmp_path / "out"))
     real_save = torch.save
 
     def full_disk(obj, f, *args, **kwargs):  # any file of the second checkpoint
