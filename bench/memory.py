@@ -133,9 +133,10 @@ def main(cfg: MemoryConfig) -> None:
                        f"--response-tokens={R}", f"--update-rows={cfg.update_rows}", f"--variant={variant}"]
                 cmd += [f"--dtype={cfg.dtype}"] if cfg.dtype else []
                 proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-                if proc.returncode:
-                    rows.append((phase, R, variant, None))
-                    print(f"{phase} {R} {variant}: failed\n{proc.stderr[-2000:]}", flush=True)
+                if proc.returncode:  # SIGKILL: the kernel's OOM killer (the variant needs more than the machine has)
+                    why = "killed (out of memory)" if proc.returncode == -9 else f"failed\n{proc.stderr[-2000:]}"
+                    rows.append((phase, R, variant, why.split("\n")[0]))
+                    print(f"{phase} R={R} {variant}: {why}", flush=True)
                     continue
                 result = json.loads(proc.stdout.strip().splitlines()[-1])
                 rows.append((phase, R, variant, result))
@@ -147,11 +148,11 @@ def main(cfg: MemoryConfig) -> None:
     for phase in cfg.phases:
         for R in cfg.response_tokens:
             got = {v: r for p, n, v, r in rows if p == phase and n == R}
-            some = next((r for r in got.values() if r), None)
+            some = next((r for r in got.values() if isinstance(r, dict)), None)
             if some is None:
                 continue
-            cells = [f"{r['peak'] / 2**30:.2f} GB ({r['peak'] / r['floor']:.2f}x)" if r else
-                     ("failed" if v in got else "-") for v, r in ((v, got.get(v)) for v in VARIANTS)]
+            cells = [f"{r['peak'] / 2**30:.2f} GB ({r['peak'] / r['floor']:.2f}x)" if isinstance(r, dict) else
+                     r or "-" for r in (got.get(v) for v in VARIANTS)]
             print(f"| {phase} | {R} | {some['tokens']} | " + " | ".join(cells) + f" | {some['floor'] / 2**30:.2f} GB |")
 
 
