@@ -200,7 +200,7 @@ class Config:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """What each role keeps in CPU memory while it is not computing (GPU; sharding.OffloadConfig)."""
     hybrid: HybridConfig = field(default_factory=HybridConfig)
-    """The weight sync into the rollout engine (hybrid_engine.py): bucket size, offload, verification."""
+    """The weight sync into the rollout engine (hybrid_engine.py): bucket size, verification."""
     dist_timeout_s: int = 1800
     """Seconds a collective may wait before the run fails (torchrun and Ray's worker groups). Under torchrun a rank
     that dies is named by the others within seconds; one that hangs, when this has passed (comm.watch_ranks)."""
@@ -335,12 +335,17 @@ BUILTIN_TASK = dict(lr=2e-4, critic_lr=1e-3, max_prompt_length=32, max_response_
                     ppo_mini_batch_size=8, ppo_micro_batch_size=64, log_prob_max_token_len_per_gpu=2048)
 
 
-def builtin_task_values(cfg: Config) -> tuple[Config, dict]:
-    """(cfg with BUILTIN_TASK's value for each field left at its default, those values): the fields a user set keep
-    theirs."""
+def with_task_values(cfg: Config, is_main: bool = True) -> Config:
+    """The config a run uses: without --model-path, BUILTIN_TASK's value for each field left at its default (the
+    fields a user set keep theirs), printed once (is_main)."""
+    if cfg.model_path is not None:
+        return cfg
     defaults = {f.name: f.default for f in fields(Config)}
     applied = {k: v for k, v in BUILTIN_TASK.items() if getattr(cfg, k) == defaults[k]}
-    return replace(cfg, **applied), applied
+    if applied and is_main:
+        print("built-in task (no --model-path): " + ", ".join(f"{k}={v}" for k, v in applied.items()) +
+              " (its own values; a flag you pass wins)")
+    return replace(cfg, **applied)
 
 
 def check_paths(cfg) -> None:

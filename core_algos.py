@@ -181,12 +181,14 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
                     with_entropy: bool = False, entropy_grad: bool = True):
     """(log-prob [...] of targets [...] under softmax(logits [..., V] / temperature), its entropy [...] or None).
 
-    One float32 copy of the logits exists: the log-prob is the target's logit minus logsumexp (no [..., V]
-    log-softmax), and the entropy is logsumexp - sum p * logit. entropy_grad=False: the entropy is a metric, made
-    without autograd, so backward keeps no softmax for it."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [..., V]: bf16 up to fp32, fp64 stays
-    if temperature != 1.0:
-        logits = logits / temperature
+    The log-prob makes one float32 [..., V] tensor (the scaled logits): it is the target's logit minus logsumexp, no
+    log-softmax. The entropy, logsumexp - sum p * logit, adds the softmax. entropy_grad=False: the entropy is a
+    metric, made without autograd, so backward keeps no softmax for it."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 up to fp32, fp64 stays
+    if logits.dtype != dtype:  # the upcast is a tensor of our own: scale it in place
+        logits = logits.to(dtype).div_(temperature)  # [..., V]
+    elif temperature != 1.0:
+        logits = logits / temperature  # [..., V]
     lse = torch.logsumexp(logits, -1)  # [...]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # [...]
     if not with_entropy:
@@ -203,13 +205,13 @@ def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     rows at a time, so that no [n, V] tensor exists (after verl's entropy_from_logits_with_chunking). Under autograd
     each chunk is checkpointed: backward recomputes its logits (one more head matmul) instead of keeping them.
     Returns ([n], [n] or None)."""
+    def chunk(h, t):  # [c, H], [c]
+        logits = F.linear(h, weight, bias)  # [c, V]
+        return token_log_probs(logits, t, temperature, with_entropy, entropy_grad)
+
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))
     logps, entropies = [], []
-    for h, t in zip(hidden.split(rows), targets.split(rows)):  # [c, H], [c]
-        def chunk(h, t):
-            logits = F.linear(h, weight, bias)  # [c, V]
-            return token_log_probs(logits, t, temperature, with_entropy, entropy_grad)
-
+    for h, t in zip(hidden.split(rows), targets.split(rows)):
         # nothing random inside: no RNG state to save and replay
         logp, entropy = (checkpoint(chunk, h, t, use_reentrant=False, preserve_rng_state=False)
                          if torch.is_grad_enabled() else chunk(h, t))

@@ -69,8 +69,8 @@ class HybridConfig:
     bucket_mb: float = 0.0
     """Size of one weight bucket streamed into the rollout engine, in MiB of the rollout dtype. A bucket holds
     whole decoder layers (vLLM fuses q/k/v and gate/up): a layer larger than this travels alone. 0: one layer (or
-    other weight) a bucket, which kept the sync's extra memory within one bucket + 10% of the model where 512 MB
-    buckets did not, in less time (bench/reshard.py, the README's table)."""
+    other weight) a bucket, which kept the sync's extra memory within one bucket + 10% of the model at 303M where
+    512 MB buckets did not (bench/reshard.py; the README's weight-sync section)."""
     verify_sync: bool = False
     """After every sync, prove that the engine holds the trainer's weights: per-parameter checksums of what it
     received, and a teacher-forced probe of its log-probs. Costs a forward pass and a few collectives."""

@@ -36,7 +36,7 @@ from transformers import AutoConfig
 from batching import balance_ranks, flops_workload
 from comm import (Dist, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics, shutdown, timer,
                   watch_ranks)
-from config import START_HERE, Config, builtin_task_values, split_files
+from config import START_HERE, Config, split_files, with_task_values
 from core_algos import compute_advantages, kl_in_reward, last_token, overlong_penalty, rollout_mask, update_kl_coef
 from data import RLDataset, load_reward_fn, load_tokenizer, score_responses
 from fileio import write_atomic
@@ -509,18 +509,6 @@ def check_out_dir(cfg: Config) -> None:
             steps = sum(1 for line in f if line.strip())
         raise FileExistsError(f"out_dir={cfg.out_dir} holds a previous run ({steps} lines in metrics.jsonl) and no "
                               "checkpoint to resume from: pass --overwrite to replace it, or another --out-dir")
-
-
-def with_task_values(cfg: Config, is_main: bool = True) -> Config:
-    """The config a run uses: without --model-path, the built-in task's own values for the fields left at their
-    defaults (config.BUILTIN_TASK), printed once."""
-    if cfg.model_path is not None:
-        return cfg
-    cfg, applied = builtin_task_values(cfg)
-    if applied and is_main:
-        print("built-in task (no --model-path): " + ", ".join(f"{k}={v}" for k, v in applied.items()) +
-              " (its own values; a flag you pass wins)")
-    return cfg
 
 
 def train(cfg: Config) -> list[dict]:

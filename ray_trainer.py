@@ -42,9 +42,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tensordict import TensorDict
 
 from batching import balance_whole
-from comm import barrier, combine_metrics, init_distributed, shutdown, timer
-from config import Config
-from ppo import SUM_KEYS, check_out_dir, loop, make_run, warm_start_and_task_files, with_task_values
+from comm import barrier, combine_metrics, init_distributed, shutdown
+from config import Config, with_task_values
+from ppo import SUM_KEYS, check_out_dir, loop, make_run, warm_start_and_task_files
 from workers import ActorWorker, CriticWorker
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

@@ -370,6 +370,18 @@ def test_token_log_probs_equal_log_softmax():
     torch.testing.assert_close(entropy, -(reference.exp() * reference).sum(-1))
 
 
+def test_token_log_probs_of_bf16_logits_upcast_in_place():
+    """bf16 logits (autocast's) are upcast once and scaled in place: the values equal log_softmax's on the same logits
+    in fp32, the gradient reaches the bf16 logits, and the caller's tensor is left as it was."""
+    x = torch.randn(5, 11, generator=torch.Generator().manual_seed(2)).bfloat16().requires_grad_()
+    before, targets = x.detach().clone(), torch.tensor([0, 3, 10, 7, 7])
+    logp, _ = token_log_probs(x, targets, temperature=0.7)
+    reference = (x.detach().float().requires_grad_() / 0.7).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp, reference)
+    logp.sum().backward()
+    assert torch.equal(x.detach(), before) and torch.isfinite(x.grad).all()
+
+
 @pytest.mark.parametrize("chunk_bytes", [4 * 7 * 3, 1 << 20])  # 3 rows a chunk (V = 7), and all rows in one
 def test_head_log_probs_in_chunks_equal_full_logits(chunk_bytes):
     """Chunked through the head (checkpointed under autograd): the log-probs, entropies and the gradients of hidden,

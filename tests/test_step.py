@@ -15,11 +15,10 @@ from transformers import AutoTokenizer
 
 from comm import init_distributed
 from conftest import toy_config
-from config import BUILTIN_TASK, Config
+from config import BUILTIN_TASK, Config, with_task_values
 from core_algos import last_token
 from data import checked_score, load_tokenizer
-from ppo import (SPMD, check_out_dir, make_run, prompt_indices, rl_step, sample_seed, step_warnings, train,
-                 with_task_values)
+from ppo import SPMD, check_out_dir, make_run, prompt_indices, rl_step, sample_seed, step_warnings, train
 from sharding import find_latest, prune_checkpoints
 from workers import ActorWorker
 
