@@ -12,6 +12,8 @@ API (the whole of it):
     all_sum = all_sum_fn(dist)                            # t -> t summed over the dp ranks (None in one process)
     combine_metrics([rank0_metrics, rank1_metrics], sum_keys)   # reduce_metrics' numbers, from a list in one process
     obj = broadcast_object(obj, dist, src=0)               # every rank gets src's python object
+    group = side_group(("10.0.0.1", 29600), rank, size, device, timeout_s)   # a group beside the default one
+    broadcast(group, tensor, root=0)                      # over such a group (the rollout pool's weight sync)
     barrier(dist)
     shutdown(dist)                                        # barrier, then destroy the process group (if still there)
     with timer("gen", metrics): ...                       # metrics["timing_s/gen"] = seconds
@@ -141,6 +143,26 @@ def broadcast_object(obj, dist: Dist, src: int = 0):
     box = [obj]
     tdist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def side_group(address: tuple[str, int], rank: int, size: int, device: torch.device, timeout_s: float):
+    """A process group of its own between processes that already belong to other groups (the trainer's rank 0 and
+    the rollout pool's engines, ray_trainer.py): rendezvous at a TCP store that rank 0 hosts at address; gloo on
+    CPU, NCCL on GPU. Not the default group, so each process keeps its own."""
+    timeout = timedelta(seconds=timeout_s)
+    store = tdist.TCPStore(address[0], address[1], size, is_master=rank == 0, timeout=timeout)
+    if device.type == "cuda":
+        options = tdist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return tdist.ProcessGroupNCCL(store, rank, size, options)
+    return tdist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
+    """tensor from rank root to every rank of a side_group (in place on the others)."""
+    options = tdist.BroadcastOptions()
+    options.rootRank = root
+    group.broadcast([tensor], options).wait()
 
 
 def barrier(dist: Dist) -> None:

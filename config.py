@@ -9,7 +9,9 @@ Invalid values and combinations are rejected here, naming the field, before anyt
 import json
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 from core_algos import AdvEstimator, AggMode, KLKind
 from hybrid_engine import HybridConfig
@@ -22,6 +24,25 @@ START_HERE = """Where to start: `python {script}` runs {algo} on the built-in ar
 --val-files (verl's parquet schema) and --reward-fn-path (the README's "Your own data" shows the whole path).
 Most changed: --total-steps, --rollout-n, --lr, --max-response-length, --train-batch-size; --logger tensorboard;
 --ckpt-every. Every field follows."""
+
+
+@dataclass
+class AsyncConfig:
+    rollout_workers: int = 0
+    """Generation-only engines in a rollout pool of their own (one a device), fed the trainer's weights after each
+    update; 0: the actor's colocated engines generate (the hybrid engine). Ray controller only."""
+    staleness: int = 1
+    """With a rollout pool: a sample may come from weights at most this many updates behind the trainer's (AReaL's
+    bound). 0: synchronous (each batch waits for the previous update); 1: one-step-off (batch k+1 generates while
+    the trainer updates on batch k)."""
+    score_chunks: int = 4
+    """With a rollout pool: each worker generates its share in this many calls, and each is scored (a Ray task)
+    as soon as it finishes, while the next generates."""
+
+    def __post_init__(self):
+        if self.rollout_workers < 0 or self.staleness < 0 or self.score_chunks < 1:
+            raise ValueError(f"async.rollout_workers={self.rollout_workers} and async.staleness={self.staleness} must "
+                             f"be >= 0, async.score_chunks={self.score_chunks} >= 1")
 
 
 @dataclass
@@ -119,12 +140,14 @@ class Config:
     """dynamic_sampling: generation rounds a step may take at most."""
     mask_truncated: bool = False
     """DAPO's overlong filtering: a response cut at max_response_length (no EOS) gets no policy loss."""
-    old_log_probs: Literal["recompute", "rollout", "update"] = "recompute"
+    old_log_probs: Literal["auto", "recompute", "rollout", "update"] = "auto"
     """Where the PPO ratio's old log-probs come from. recompute: a no-grad pass of the policy before the update
-    (verl's default). rollout: the engine's own, no pass (verl's bypass; the engine-trainer gap, ~1e-5 in fp32,
-    is still measured every step, on the update's first mini-batch). update: the first mini-batch's own forward,
-    detached: exact, and valid only when the update is one optimizer step on the weights that sampled (ppo_epochs
-    1, ppo_mini_batch_size = train_batch_size) and nothing needs them before it (use_kl_in_reward)."""
+    (verl's default; with stale samples, the proximal policy of AReaL's decoupled loss). rollout: the engine's own,
+    no pass (verl's bypass; the engine-trainer gap is still measured every step, on the update's first
+    mini-batch). update: the first mini-batch's own forward, detached: exact, and valid only when the update is one
+    optimizer step on the weights that sampled (ppo_epochs 1, ppo_mini_batch_size = train_batch_size, no stale
+    samples) and nothing needs them before it (use_kl_in_reward, rollout_mask). auto: update where it is exact
+    (TRL's default behaviour, no separate pass), else recompute (Config.old_log_probs_from)."""
     use_kl_in_reward: bool = False
     """Subtract kl_coef * the per-token KL(policy || reference) from the token rewards (Ziegler et al. 2019)."""
     kl_penalty: KLKind = "k1"
@@ -200,7 +223,9 @@ class Config:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """What each role keeps in CPU memory while it is not computing (GPU; sharding.OffloadConfig)."""
     hybrid: HybridConfig = field(default_factory=HybridConfig)
-    """The weight sync into the rollout engine (hybrid_engine.py): bucket size, verification."""
+    """The weight sync into the rollout engine (hybrid_engine.py, rollout_pool.py): bucket size, verification."""
+    async_: Annotated[AsyncConfig, tyro.conf.arg(name="async")] = field(default_factory=AsyncConfig)
+    """A rollout pool of its own and one-step-off generation (ray_trainer.py only; rollout_pool.py)."""
     dist_timeout_s: int = 1800
     """Seconds a collective may wait before the run fails (torchrun and Ray's worker groups). Under torchrun a rank
     that dies is named by the others within seconds; one that hangs, when this has passed (comm.watch_ranks)."""
@@ -297,7 +322,7 @@ class Config:
             raise ValueError(f"rollout_n={self.rollout_n}: rloo's leave-one-out baseline needs >= 2 samples a prompt")
 
     def _check_dapo_and_rollout_correction(self) -> None:
-        if self.rollout_mask and self.old_log_probs != "recompute":
+        if self.rollout_mask and self.old_log_probs not in ("recompute", "auto"):
             raise ValueError(f"rollout_mask={self.rollout_mask!r} compares the old log-probs with the engine's before "
                              f"the update: it needs old_log_probs='recompute', not {self.old_log_probs!r}")
         if not 0 < self.rollout_mask_low < 1 < self.rollout_mask_high:
@@ -308,17 +333,32 @@ class Config:
                              f"{self.max_response_length}] and overlong_penalty_factor={self.overlong_penalty_factor} "
                              ">= 0")
 
+    def _update_is_inexact(self) -> list[str]:
+        """Why the update's own first forward would not give the sampling policy's log-probs (empty: it would)."""
+        wrong = [f"ppo_epochs={self.ppo_epochs} must be 1"] if self.ppo_epochs != 1 else []
+        if self.ppo_mini_batch_size != self.train_batch_size:
+            wrong.append(f"ppo_mini_batch_size={self.ppo_mini_batch_size} must equal "
+                         f"train_batch_size={self.train_batch_size}")
+        if self.use_kl_in_reward or self.rollout_mask:
+            wrong.append("use_kl_in_reward and rollout_mask must be off (they need them before the update)")
+        if self.async_.rollout_workers and self.async_.staleness:
+            wrong.append(f"async.staleness={self.async_.staleness} must be 0 (a stale sample's policy is not the "
+                         "trainer's)")
+        return wrong
+
+    @property
+    def old_log_probs_from(self) -> str:
+        """old_log_probs with auto resolved: update where that is exact, else recompute."""
+        if self.old_log_probs != "auto":
+            return self.old_log_probs
+        return "recompute" if self._update_is_inexact() else "update"
+
     def _check_old_log_probs(self) -> None:
         if self.old_log_probs == "rollout" and self.tis_cap is not None:
             raise ValueError("tis_cap corrects the gap between the engine's and the trainer's log-probs, which "
                              "old_log_probs='rollout' takes as zero: use 'recompute' or 'update'")
         if self.old_log_probs == "update":
-            wrong = [f"ppo_epochs={self.ppo_epochs} must be 1"] if self.ppo_epochs != 1 else []
-            if self.ppo_mini_batch_size != self.train_batch_size:
-                wrong.append(f"ppo_mini_batch_size={self.ppo_mini_batch_size} must equal "
-                             f"train_batch_size={self.train_batch_size}")
-            if self.use_kl_in_reward:
-                wrong.append("use_kl_in_reward must be off (it needs them before the update)")
+            wrong = self._update_is_inexact()
             if wrong:
                 raise ValueError(f"old_log_probs='update' takes them from one optimizer step on the sampling weights: "
                                  f"{'; '.join(wrong)}; or use 'recompute' / 'rollout'")

@@ -96,8 +96,7 @@ class HybridEngine:
         self.dtype = dtype  # the rollout engine's dtype: weights are cast to it before the gather
         self.bucket_bytes = max(1, int(cfg.bucket_mb * MB))
         self.on_gpu = dist.device.type == "cuda"
-        g = torch.Generator().manual_seed(0)  # the same probe on every rank and every sync
-        self.probe = torch.randint(model.config.vocab_size, (PROBE_SEQS, cfg.probe_len), generator=g)  # [N, T]
+        self.probe = probe_tokens(model.config.vocab_size, cfg.probe_len)  # [N, T]
         self.names = sorted(name for group in weight_groups(model) for name, _ in group)  # what every sync hands over
         rollout.sleep()  # train mode is the resting state: the engine wakes in rollout mode only
 
@@ -110,7 +109,8 @@ class HybridEngine:
             expected = None
             if self.cfg.verify_sync:  # the trainer's side of the verification first, where it computes
                 with resident():
-                    expected = (self._trainer_checksums(), self._trainer_probe())
+                    expected = (trainer_checksums(self.model, self.dtype, self.dist.device),
+                                trainer_probe(self.model, self.probe, self.dist.device))
             with timer("reshard", metrics):
                 with resident():
                     self.rollout.wake_up(tags=["weights"])
@@ -157,50 +157,72 @@ class HybridEngine:
 
     # ---- verification ----
 
-    def _trainer_checksums(self) -> dict[str, int]:
-        """Checksums of the trainer's full weights in the rollout dtype, computed from the local shards and summed
-        across ranks (checksums add over shards), so no rank gathers anything."""
-        names, sums, group = [], [], None
-        for name, tensor in (entry for g in weight_groups(self.model) for entry in g):
-            local, start = tensor.detach().to(cast_dtype(tensor, self.dtype)), 0
-            if isinstance(local, DTensor):
-                group = local.device_mesh.get_group()
-                local, start = local.to_local(), _shard_offset(local)
-            names.append(name)
-            sums.append(checksum(local.reshape(-1), start).to(self.dist.device))  # NCCL reduces device tensors
-        sums = torch.stack(sums)  # [P] int64
-        if group is not None:
-            tdist.all_reduce(sums, group=group)  # integer sums: exact in any order
-        return dict(zip(names, sums.tolist()))
-
-    @torch.no_grad()
-    def _trainer_probe(self) -> torch.Tensor:
-        """The trainer's teacher-forced log-probs [N, T - 1] of the probe's tokens 1..T-1."""
-        ids = self.probe.to(self.dist.device)  # [N, T]
-        logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1]  # [N, T - 1, V]: a small probe
-        return token_log_probs(logits, ids[:, 1:])[0].cpu()  # [N, T - 1]
-
     def _verify(self, expected: dict[str, int], trainer: torch.Tensor, received: dict[str, int]) -> float:
-        """(a) What the engine received equals the trainer's weights, parameter by parameter; (b) the engine's
-        teacher-forced log-probs on the probe equal the trainer's. Returns the probe's largest gap over all ranks.
-
-        The engine's weights cannot be read back on CPU (its kernels repack them and leave empty placeholders),
-        hence checksums at the hand-over plus a probe of what it computes."""
-        bad = sorted(name for name in expected.keys() | received.keys() if expected.get(name) != received.get(name))
-        engine = torch.tensor(self.rollout.prompt_log_probs(self.probe.tolist()))  # [N, T - 1]
-        gap = (engine - trainer).abs().max().nan_to_num(nan=math.inf)
-        # the worst over ranks, so that every rank raises, rather than the others waiting in the next collective
-        worst = torch.stack([torch.tensor(float(len(bad))), gap]).to(self.dist.device)  # [2]
+        """sync_errors on this rank, the worst over all ranks (so that every rank raises, rather than the others
+        waiting in the next collective); returns the probe's largest gap."""
+        bad, gap = sync_errors(expected, received, self.rollout, self.probe, trainer)
+        worst = torch.tensor([float(len(bad)), gap], device=self.dist.device)  # [2]
         if self.dist.mesh is not None:
             tdist.all_reduce(worst, op=tdist.ReduceOp.MAX)
         n_bad, gap = worst.tolist()
-        if n_bad:
-            raise RuntimeError(f"weight sync: the engine received weights that differ from the trainer's: "
-                               f"{bad or 'on another rank'}")
-        if gap > self.cfg.verify_tol:
-            raise RuntimeError(f"weight sync: the engine's probe log-probs differ from the trainer's by {gap:.3g} "
-                               f"> verify_tol={self.cfg.verify_tol}")
+        raise_on_sync_errors(bad or ("on another rank" if n_bad else []), gap, self.cfg.verify_tol)
         return gap
+
+
+# ---------------------------------------------------------------------------------------------------
+# Verification of a sync (here and in the rollout pool, ray_trainer.py)
+# ---------------------------------------------------------------------------------------------------
+
+
+def probe_tokens(vocab_size: int, probe_len: int) -> torch.Tensor:
+    """The probe [N, T]: fixed random token ids, the same on every rank and at every sync."""
+    return torch.randint(vocab_size, (PROBE_SEQS, probe_len), generator=torch.Generator().manual_seed(0))
+
+
+def trainer_checksums(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+    """Checksums of the trainer's full weights in the rollout dtype, computed from the local shards and summed
+    across ranks (checksums add over shards), so no rank gathers anything. Collective under FSDP2."""
+    names, sums, group = [], [], None
+    for name, tensor in (entry for g in weight_groups(model) for entry in g):
+        local, start = tensor.detach().to(cast_dtype(tensor, dtype)), 0
+        if isinstance(local, DTensor):
+            group = local.device_mesh.get_group()
+            local, start = local.to_local(), _shard_offset(local)
+        names.append(name)
+        sums.append(checksum(local.reshape(-1), start).to(device))  # NCCL reduces device tensors
+    sums = torch.stack(sums)  # [P] int64
+    if group is not None:
+        tdist.all_reduce(sums, group=group)  # integer sums: exact in any order
+    return dict(zip(names, sums.tolist()))
+
+
+@torch.no_grad()
+def trainer_probe(model: torch.nn.Module, probe: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The trainer's teacher-forced log-probs [N, T - 1] of the probe's tokens 1..T-1 (on the CPU)."""
+    ids = probe.to(device)  # [N, T]
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]  # [N, T - 1, V]: a small probe
+    return token_log_probs(logits, ids[:, 1:])[0].cpu()  # [N, T - 1]
+
+
+def sync_errors(expected: dict[str, int], received: dict[str, int], rollout, probe: torch.Tensor,
+                trainer: torch.Tensor) -> tuple[list[str], float]:
+    """(a) The weights whose checksum as the engine received them differs from the trainer's (or is missing); (b) the
+    largest gap between the engine's teacher-forced log-probs on the probe and the trainer's.
+
+    The engine's weights cannot be read back on CPU (its kernels repack them and leave empty placeholders),
+    hence checksums at the hand-over plus a probe of what it computes."""
+    bad = sorted(name for name in expected.keys() | received.keys() if expected.get(name) != received.get(name))
+    engine = torch.tensor(rollout.prompt_log_probs(probe.tolist()))  # [N, T - 1]
+    return bad, (engine - trainer).abs().max().nan_to_num(nan=math.inf).item()
+
+
+def raise_on_sync_errors(bad: list[str] | str, gap: float, tol: float) -> None:
+    if bad:
+        raise RuntimeError(f"weight sync: the engine received weights that differ from the trainer's: {bad}")
+    if gap > tol:
+        raise RuntimeError(f"weight sync: the engine's probe log-probs differ from the trainer's by {gap:.3g} "
+                           f"> verify_tol={tol}")
+
 
 def checksum(flat: torch.Tensor, start: int) -> torch.Tensor:
     """An int64 fingerprint of the bytes of `flat`, elements start.. of a flattened full tensor: the sum of

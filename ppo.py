@@ -98,6 +98,7 @@ class Run:
     val_rows: list[dict]  # this controller's share of the held-out prompts
     num_truncated: int  # prompts cut to max_prompt_length (truncate_prompts), train and val files together
     hidden_size: int  # for balance_by flops
+    pool: object = None  # ray_trainer.RolloutPool: generation-only engines of their own (async); None: the actor's
 
 
 def sample_seed(seed: int, step: int, row: int) -> int:
@@ -116,6 +117,19 @@ def prompt_indices(step: int, cfg: Config, n_rows: int) -> list[int]:
     return perm[pos * cfg.train_batch_size : (pos + 1) * cfg.train_batch_size].tolist()
 
 
+def step_rows(step: int, run: Run) -> list[dict]:
+    """The prompts of a step that this controller holds (its dp shard of prompt_indices)."""
+    per_rank = run.cfg.train_batch_size // run.ctl.dp_size
+    indices = prompt_indices(step, run.cfg, len(run.train_ds))
+    return [run.train_ds[i] for i in indices[run.ctl.dp_rank * per_rank : (run.ctl.dp_rank + 1) * per_rank]]
+
+
+def weights_version(step: int, cfg: Config) -> int:
+    """The version of the weights that step `step` updates: the actor updates before it (the actor trains from
+    step critic_warmup + 1 on). A sample's version is that of the weights that generated it."""
+    return max(0, step - 1 - cfg.critic_warmup)
+
+
 # ---------------------------------------------------------------------------------------------------
 # One RL step
 # ---------------------------------------------------------------------------------------------------
@@ -130,6 +144,9 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
     with timer("step", metrics):
         # ==================== 1-2. rollout and reward: vLLM samples n per prompt, the task's verifier scores =====
         batch = rollout_and_score(step, rows, run, metrics)  # with dynamic_sampling: informative groups only
+        # with a rollout pool, samples may come from older weights: at most async.staleness updates, never silently
+        metrics.update(staleness(batch["version"], weights_version(step, cfg),
+                                 cfg.async_.staleness if run.pool else 0))
 
         # ==================== 2b. balance the dp ranks' work (batching.py) ====================
         # Whole prompt groups move, before the log-prob passes: all three passes (old, ref, update) get even
@@ -145,7 +162,7 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
         # ==================== 3. old (and reference) log-probs, values ====================
         # independent passes: a controller whose actor and critic live on separate devices runs them at once
         passes = {}  # batch key: (timer name, method)
-        if cfg.old_log_probs == "recompute":  # else the engine's, or the update's own first forward (Config)
+        if cfg.old_log_probs_from == "recompute":  # else the engine's, or the update's own first forward (Config)
             passes["old_log_probs"] = ("old_log_prob", actor.log_probs)
         if cfg.use_reference:
             passes["ref_log_probs"] = ("ref", actor.ref_log_probs)
@@ -184,6 +201,10 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
         for update_metrics in ctl.run_all(updates, batch, metrics).values():
             metrics.update(update_metrics)
 
+        # ==================== 6. a rollout pool of its own takes the new weights, starts the next batches ====================
+        if run.pool:
+            feed_pool(step, run, metrics)
+
     metrics.update(batch_metrics(batch, cfg.max_response_length))
     metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]  # per rank
     return {**ctl.reduce(metrics), "step": step}, batch, kl_coef
@@ -194,22 +215,41 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
 # ---------------------------------------------------------------------------------------------------
 
 
-def generate_and_score(step: int, rows: list[dict], run: Run, metrics: dict, seed_offset: int = 0) -> TensorDict:
-    """n responses per row (the actor enters and leaves rollout mode), each scored by the task's verifier, with
-    DAPO's overlong shaping when configured: the batch with "index" (each response's dataset row) and "scores"."""
+def seeds_of(step: int, rows: list[dict], cfg: Config, seed_offset: int = 0) -> list[int]:
+    return [sample_seed(cfg.seed, step, r["index"] + seed_offset) for r in rows]
+
+
+def feed_pool(step: int, run: Run, metrics: dict) -> None:
+    """After step `step`'s update (0: before the first step): the rollout pool takes the weights that the next step
+    trains, then starts every batch those weights may generate within async.staleness: steps step + 1 ..
+    step + 1 + staleness (0: the next only, synchronous; 1: one-step-off)."""
     cfg = run.cfg
-    seeds = [sample_seed(cfg.seed, step, r["index"] + seed_offset) for r in rows]
-    batch, this_round = run.actor.generate([r["prompt_ids"] for r in rows], seeds)
+    metrics.update(run.pool.sync(weights_version(step + 1, cfg)))
+    for t in range(step + 1, min(step + 1 + cfg.async_.staleness, cfg.total_steps) + 1):
+        rows = step_rows(t, run)
+        run.pool.prefetch(rows, seeds_of(t, rows, cfg))
+
+
+def generate_and_score(step: int, rows: list[dict], run: Run, metrics: dict, seed_offset: int = 0) -> TensorDict:
+    """n responses per row, each scored by the task's verifier, with DAPO's overlong shaping when configured: the
+    batch with "index" (each response's dataset row), "scores" and "version". The actor's engine generates (it enters
+    and leaves rollout mode), or a rollout pool (prefetched, or now), which scores each chunk as it finishes."""
+    cfg = run.cfg
+    seeds = seeds_of(step, rows, cfg, seed_offset)
+    if run.pool:
+        batch, this_round = run.pool.generate(rows, seeds)
+    else:
+        batch, this_round = run.actor.generate([r["prompt_ids"] for r in rows], seeds)
+        with timer("reward", this_round):
+            batch["scores"] = score(batch, [r for r in rows for _ in range(cfg.rollout_n)], run.tokenizer,
+                                    run.reward_fn)  # [B]
     # each response's dataset row travels with it: whatever moves the rows, they are looked up by this
     batch["index"] = torch.tensor([r["index"] for r in rows]).repeat_interleave(cfg.rollout_n)  # [B]
-    with timer("reward", this_round):
-        batch["scores"] = score(batch, [run.train_ds[i] for i in batch["index"].tolist()], run.tokenizer,
-                                run.reward_fn)  # [B]
-        if cfg.overlong_buffer_len:  # DAPO: long responses lose reward softly before the hard limit
-            penalty = overlong_penalty(batch["response_mask"].sum(-1), cfg.max_response_length,
-                                       cfg.overlong_buffer_len, cfg.overlong_penalty_factor)  # [B]
-            batch["scores"] = batch["scores"] + penalty
-            this_round["reward/overlong_penalty_mean"] = penalty.mean().item()
+    if cfg.overlong_buffer_len:  # DAPO: long responses lose reward softly before the hard limit
+        penalty = overlong_penalty(batch["response_mask"].sum(-1), cfg.max_response_length, cfg.overlong_buffer_len,
+                                   cfg.overlong_penalty_factor)  # [B]
+        batch["scores"] = batch["scores"] + penalty
+        this_round["reward/overlong_penalty_mean"] = penalty.mean().item()
     for k, v in this_round.items():  # times add up over dynamic sampling's rounds; the rest is the last round's
         metrics[k] = metrics.get(k, 0.0) + v if k.startswith("timing_s/") else v
     return batch
@@ -254,8 +294,8 @@ def repad(groups: list[TensorDict], ctl, pad_id: int) -> TensorDict:
     batch = pad_batch(prompts, [r["responses"][:k].tolist() for r, k in zip(rows, lengths)],
                       [r["rollout_log_probs"][:k].tolist() for r, k in zip(rows, lengths)], pad_id,
                       (int(widths["P/max"]), int(widths["R/max"])))
-    batch["index"] = torch.stack([r["index"] for r in rows])  # [B]
-    batch["scores"] = torch.stack([r["scores"] for r in rows])  # [B]
+    for key in ("index", "scores", "version"):
+        batch[key] = torch.stack([r[key] for r in rows])  # [B]
     return batch
 
 
@@ -275,17 +315,35 @@ def policy_loss_mask(batch: TensorDict, cfg: Config, eos_id: int) -> tuple[torch
     return mask, metrics
 
 
-def score(batch: TensorDict, rows: list[dict], tokenizer, reward_fn) -> torch.Tensor:
-    """One scalar reward per response [B] from the task's verifier; rows[b] is response b's prompt row. A reward
-    that is not a finite number stops the run here, before any update (data.checked_score)."""
-    texts = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+def score(batch: TensorDict | list[list[int]], rows: list[dict], tokenizer, reward_fn) -> torch.Tensor:
+    """One scalar reward per response [B] from the task's verifier (the batch's responses, or their token lists);
+    rows[b] is response b's prompt row. A reward that is not a finite number stops the run here, before any update
+    (data.checked_score)."""
+    if isinstance(batch, TensorDict):
+        lengths = batch["response_mask"].sum(-1).long().tolist()  # [B]
+        batch = [ids[:k] for ids, k in zip(batch["responses"].tolist(), lengths)]
+    texts = tokenizer.batch_decode(batch, skip_special_tokens=True)
     return torch.tensor(score_responses(reward_fn, rows, texts))  # [B]
+
+
+def staleness(versions: torch.Tensor, version: int, bound: int) -> dict:
+    """How many updates behind the trained weights (version) each sample's weights are: metrics, or an error when
+    a sample is more than bound behind (a scheduling bug: it would train on it silently)."""
+    behind = version - versions  # [B]
+    if behind.max() > bound:
+        raise RuntimeError(f"{int((behind > bound).sum())} samples come from weights {int(behind.max())} updates "
+                           f"behind the trainer's (version {version}), more than async.staleness={bound}")
+    return {"async/staleness/mean": behind.float().mean().item(), "async/staleness/max": behind.max().item(),
+            "async/stale_share": (behind > 0).float().mean().item()}
 
 
 def evaluate(run: Run) -> dict:
     """Greedy accuracy on the held-out prompts (one response each; every rank its share)."""
-    batch, _ = run.actor.generate([r["prompt_ids"] for r in run.val_rows], seeds=None, greedy=True)
-    scores = score(batch, run.val_rows, run.tokenizer, run.reward_fn)
+    if run.pool:  # scored as they finish
+        scores = run.pool.generate(run.val_rows, seeds=None, greedy=True)[0]["scores"]
+    else:
+        batch, _ = run.actor.generate([r["prompt_ids"] for r in run.val_rows], seeds=None, greedy=True)
+        scores = score(batch, run.val_rows, run.tokenizer, run.reward_fn)
     total = run.ctl.reduce({"correct": scores.sum().item(), "n": len(run.val_rows)}, sum_keys=("correct", "n"))
     return {"val/accuracy": total["correct"] / total["n"]}
 
@@ -360,7 +418,7 @@ def warm_start_and_task_files(cfg: Config, dist: Dist) -> tuple[str, str, str]:
 
 
 def make_run(cfg: Config, model_path: str, train_files: str, val_files: str, actor: ActorWorker,
-             critic: CriticWorker | None, ctl: SPMD) -> Run:
+             critic: CriticWorker | None, ctl: SPMD, pool=None) -> Run:
     """The Run around built workers: the policy's tokenizer, the reward function, the prompts (checked)."""
     tokenizer = load_tokenizer(model_path)
     train_ds = RLDataset(split_files(train_files), tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
@@ -374,7 +432,7 @@ def make_run(cfg: Config, model_path: str, train_files: str, val_files: str, act
                          f"{ctl.dp_size} ranks")
     return Run(cfg, actor, critic, ctl, tokenizer, load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name), train_ds,
                val_rows[ctl.dp_rank :: ctl.dp_size], train_ds.num_truncated + val_ds.num_truncated,
-               AutoConfig.from_pretrained(model_path).hidden_size)
+               AutoConfig.from_pretrained(model_path).hidden_size, pool)
 
 
 def save_checkpoint(run: Run, step: int, state: dict) -> None:
@@ -449,12 +507,12 @@ def loop(run: Run) -> list[dict]:
             log.flush()
             tracker.log(record, record["step"])
 
+    if run.pool:  # the pool's engines take the trainer's weights (fresh or resumed) and start the first batches
+        feed_pool(start - 1, run, {})
     if start == 1:
         emit({"step": 0, "prompt/num_truncated": run.num_truncated, **evaluate(run)})
-    per_rank = cfg.train_batch_size // ctl.dp_size
     for step in (bar := tqdm(range(start, cfg.total_steps + 1), desc="rl", disable=not ctl.is_main)):
-        indices = prompt_indices(step, cfg, len(run.train_ds))[ctl.dp_rank * per_rank : (ctl.dp_rank + 1) * per_rank]
-        metrics, _, kl_coef = rl_step(step, [run.train_ds[i] for i in indices], run, kl_coef)
+        metrics, _, kl_coef = rl_step(step, step_rows(step, run), run, kl_coef)
         if step % cfg.eval_every == 0 or step == cfg.total_steps:
             with timer("testing", metrics):
                 metrics.update(evaluate(run))
@@ -521,6 +579,9 @@ def train(cfg: Config) -> list[dict]:
                          f" must divide by the {dist.dp_size} data-parallel ranks")
     if cfg.rollout_backend == "hf" and dist.dp_size > 1:  # sharded generate stops at different steps per rank
         raise ValueError("rollout_backend='hf' runs in one process only; use 'vllm' with torchrun")
+    if cfg.async_.rollout_workers:
+        raise ValueError(f"async.rollout_workers={cfg.async_.rollout_workers}: a rollout pool of its own runs on the "
+                         "Ray controller: python ray_trainer.py --async.rollout-workers N")
     os.makedirs(cfg.out_dir, exist_ok=True)
     with watch_ranks(dist):  # another rank's death or hang ends this rank with an error that names it
         model_path, train_files, val_files = warm_start_and_task_files(cfg, dist)

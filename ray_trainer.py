@@ -25,6 +25,7 @@ step and cause, kills the groups, starts new ones, loads the latest checkpoint a
 prompt and step, so the finished run equals an uninterrupted one; ray/restarts counts the restarts.
 """
 
+import math
 import os
 import socket
 import sys
@@ -42,10 +43,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tensordict import TensorDict
 
 from batching import balance_whole
-from comm import barrier, combine_metrics, init_distributed, shutdown
+from comm import barrier, combine_metrics, init_distributed, shutdown, timer
 from config import Config, with_task_values
-from ppo import SUM_KEYS, check_out_dir, loop, make_run, warm_start_and_task_files
-from workers import ActorWorker, CriticWorker
+from data import load_reward_fn, load_tokenizer
+from ppo import SUM_KEYS, check_out_dir, loop, make_run, score, warm_start_and_task_files
+from workers import ActorWorker, CriticWorker, RolloutWorker, pad_batch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEATH_GRACE_S = 30.0  # after a worker's error, how long to wait for news that a peer died (the likelier cause)
@@ -71,7 +73,7 @@ class RayConfig:
     """A worker-group call with no answer in this time counts as a dead worker (a restart)."""
     max_restarts: int = 3
     """Restarts after worker failures before the run stops with an error."""
-    fail_role: Literal["actor", "critic"] | None = None
+    fail_role: Literal["actor", "critic", "rollout"] | None = None
     """Fault injection: the role whose worker fails (None: none fails)."""
     fail_rank: int = 0
     """Fault injection: the failing worker's rank in its group."""
@@ -121,27 +123,32 @@ class WorkerHost:
     def setup(self, roles: list[str], cfg: Config, model_path: str, rank: int, world: int, master: tuple[str, int],
               fault: dict | None) -> dict:
         """Join the process group (comm's init from the torchrun variables) and build the workers; returns where it
-        runs."""
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=master[0],
-                          MASTER_PORT=str(master[1]))  # Ray gives each actor its own GPU as device 0
-        self.dist = init_distributed(cfg.dist_timeout_s)
+        runs. A rollout pool's engine (roles ["rollout"]) joins no group: each engine stands alone."""
+        if roles != ["rollout"]:
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=master[0],
+                              MASTER_PORT=str(master[1]))  # Ray gives each actor its own GPU as device 0
+        self.dist, self.rank = init_distributed(cfg.dist_timeout_s), rank
         self.workers = {}
         if "actor" in roles:
             self.workers["actor"] = ActorWorker(cfg, model_path, self.dist)
         if "critic" in roles:
             self.workers["critic"] = CriticWorker(cfg, cfg.critic_model_path or model_path, self.dist)
+        if "rollout" in roles:
+            self.workers["rollout"] = RolloutWorker(cfg, model_path, self.dist)
         self.fault, self.calls = fault, Counter()
         return {"rank": rank, "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    def call(self, role: str, method: str, *args, **kwargs):
+    def call(self, role: str, method: str, *args, **kwargs) -> tuple:
+        """(the method's answer, (start, end) wall-clock times of the call: the driver's busy accounting)."""
         self.calls[role, method] += 1
-        f, rank = self.fault, self.dist.rank
+        f, rank, start = self.fault, self.rank, time.time()
         if f and (f["role"], f["rank"], f["method"], f["call"]) == (role, rank, method, self.calls[role, method]):
             print(f"[fault injection] {role} rank {rank}: {f['mode']} in {method}, call {f['call']}", flush=True)
             if f["mode"] == "exit":
                 os._exit(1)
             time.sleep(10**9)
-        return getattr(self.workers[role], method)(*args, **kwargs)
+        out = getattr(self.workers[role], method)(*args, **kwargs)
+        return out, (start, time.time())
 
     def shutdown(self) -> None:
         """After the run's last collective: close the engine (its cleanup destroys the default group), then leave."""
@@ -179,6 +186,16 @@ def _join(parts: list):
     return first  # ONE_TO_ALL: rank 0's answer
 
 
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of the spans (a span may be empty)."""
+    total, reach = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if b > max(a, reach):
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
 def _nbytes(x) -> int:
     """Bytes of the tensors in x (what the driver sends or receives)."""
     if isinstance(x, (tuple, list)):
@@ -190,14 +207,20 @@ def _nbytes(x) -> int:
 
 class WorkerGroup:
     """One role's Ray actors as one worker: group.log_probs(batch) runs log_probs on every rank's chunk and joins
-    the results; group.method.submit(...) starts the call and returns a Pending to wait on later."""
+    the results; group.method.submit(...) starts the call and returns a Pending to wait on later. pool: the name of
+    the devices the hosts sit on, for the busy accounting (colocated roles share one)."""
 
-    def __init__(self, role: str, hosts: list, timeout: float, driver: "Driver"):
-        self.role, self.hosts, self.timeout, self.driver = role, hosts, timeout, driver
+    def __init__(self, role: str, hosts: list, timeout: float, driver: "Driver", pool: str):
+        self.role, self.hosts, self.timeout, self.driver, self.pool = role, hosts, timeout, driver, pool
         self.dp_size = len(hosts)
+        driver.busy.setdefault(pool, [])
 
     def __getattr__(self, method: str) -> "GroupMethod":
         return GroupMethod(self, method)
+
+    def call_one(self, rank: int, method: str, *args) -> "Pending":
+        """method(*args) on one host (no splitting, no joining)."""
+        return Pending([self.hosts[rank]], self, method, [args], ranks=[rank])
 
 
 class GroupMethod:
@@ -213,18 +236,24 @@ class GroupMethod:
         split = [[a[s] if isinstance(a, (TensorDict, list)) else a for a in args] for s in _chunks(n, k)] \
             if n is not None else [list(args)] * k
         g.driver.bytes_moved += sum(_nbytes(a) for a in args)
-        refs = [h.call.remote(g.role, self.method, *a, **kwargs) for h, a in zip(g.hosts, split)]
-        return Pending(refs, f"{g.role}.{self.method}", g)
+        return Pending(g.hosts, g, self.method, split, kwargs)
 
     def __call__(self, *args, **kwargs):
         return self.submit(*args, **kwargs).result()
 
 
 class Pending:
-    """A worker-group call in flight."""
+    """A worker-group call in flight: one call a host, with its arguments; the driver's busy accounting gets the
+    calls' times."""
 
-    def __init__(self, refs: list, what: str, group: WorkerGroup):
-        self.refs, self.what, self.group = refs, what, group
+    def __init__(self, hosts: list, group: WorkerGroup, method: str, args: list, kwargs: dict | None = None,
+                 ranks: list[int] | None = None):
+        refs = [h.call.options(num_returns=2).remote(group.role, method, *a, **(kwargs or {}))
+                for h, a in zip(hosts, args)]
+        self.refs, self.times = [r[0] for r in refs], [r[1] for r in refs]
+        self.ranks = ranks or list(range(len(hosts)))  # each ref's rank in its group
+        self.what, self.group = f"{group.role}.{method}", group
+        group.driver.busy[group.pool].append((time.time(), self.times))
 
     def result(self):
         """Every rank's answer, joined. A rank that died, or no answer within the timeout, is a WorkerFailure that
@@ -234,7 +263,7 @@ class Pending:
         while waiting:
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.time()))
             if not ready:
-                ranks = [self.refs.index(r) for r in waiting]
+                ranks = [self.ranks[self.refs.index(r)] for r in waiting]
                 raise WorkerFailure(f"{self.what}: rank(s) {ranks} gave no answer within {self.group.timeout:.0f} s")
             try:
                 ray.get(ready[0])
@@ -253,8 +282,12 @@ class Pending:
         self.group.driver.bytes_moved += _nbytes(out)
         return out
 
+    def wait(self) -> None:
+        """Until every rank's call has ended (or its host died), without fetching the answers."""
+        ray.wait(self.times, num_returns=len(self.times), timeout=self.group.timeout)
+
     def _died(self, ref, error: Exception) -> str:
-        return f"{self.what}: rank {self.refs.index(ref)} died ({type(error).__name__}: {str(error).splitlines()[0]})"
+        return f"{self.what}: rank {self.ranks[self.refs.index(ref)]} died ({type(error).__name__}: {str(error).splitlines()[0]})"
 
 
 class Driver:
@@ -265,6 +298,31 @@ class Driver:
     def __init__(self, ranks: int, restarts: int):
         self.dp_rank, self.dp_size, self.is_main, self.all_sum = 0, 1, True, None
         self.ranks, self.restarts, self.bytes_moved, self.last_step = ranks, restarts, 0, 0
+        self.busy: dict[str, list] = {}  # pool: [(submitted at, the calls' time refs)] not yet accounted as finished
+
+    def pipeline(self, seconds: float) -> dict:
+        """Each pool's busy and idle seconds in the last `seconds` (the step) and perf/bubble (its idle share). A pool
+        is busy while a call of it runs: from the call's start on the host (its submission while it has not
+        finished) to its end."""
+        now, out = time.time(), {}
+        for pool, calls in self.busy.items():
+            spans, left = [], []
+            for submitted, times in calls:
+                done, _ = ray.wait(times, num_returns=len(times), timeout=0)
+                try:
+                    ends = ray.get(done)
+                except (RayActorError, RayTaskError):  # a failed call: not counted (reported where it is awaited)
+                    continue
+                if len(done) < len(times):
+                    left.append((submitted, times))
+                    spans.append((submitted, now))
+                else:
+                    spans.append((min(e[0] for e in ends), max(e[1] for e in ends)))
+            self.busy[pool] = left
+            busy = _covered([(max(a, now - seconds), min(b, now)) for a, b in spans])
+            out.update({f"perf/busy_s/{pool}": busy, f"perf/idle_s/{pool}": seconds - busy,
+                        f"perf/bubble/{pool}": (seconds - busy) / seconds})
+        return out
 
     def balance(self, batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Tensor, unit: int):
         return balance_whole(batch, seqlens, workloads, self.ranks, unit)
@@ -278,6 +336,7 @@ class Driver:
         if "step" in metrics:  # a step's metrics (not an evaluation's)
             self.last_step = metrics["step"]
             out["ray/driver_bytes"], self.bytes_moved = float(self.bytes_moved), 0
+            out.update(self.pipeline(metrics["timing_s/step"]))
         return {**out, "ray/restarts": float(self.restarts)}
 
     def run_all(self, calls: dict, batch: TensorDict, metrics: dict) -> dict:
@@ -335,7 +394,7 @@ def start_groups(cfg: Config, rc: RayConfig, model_path: str, driver: Driver, in
                          for rank, h in enumerate(hosts)])
         where += [{"group": name, **info} for info in infos]
         for role in roles:
-            groups[role] = WorkerGroup(role, hosts, rc.call_timeout_s, driver)
+            groups[role] = WorkerGroup(role, hosts, rc.call_timeout_s, driver, pool=name)
         all_hosts += hosts
         pools.append(pool)
     return Groups(groups["actor"], groups.get("critic"), all_hosts, pools, where)
@@ -353,14 +412,203 @@ def stop_groups(groups: Groups | None, clean: bool) -> None:
         remove_placement_group(pool)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The rollout pool: generation-only engines of their own, and one-step-off
+# ---------------------------------------------------------------------------------------------------
+
+
+class Scorer:
+    """A Ray actor of the rollout pool that scores each generated chunk as soon as it exists (HybridFlow pipelines
+    reward behind generation through futures): one long-lived process, so no chunk waits for a process to start."""
+
+    def __init__(self, model_path: str, reward_path: str | None, reward_name: str):
+        self.tokenizer, self.reward_fn = load_tokenizer(model_path), load_reward_fn(reward_path, reward_name)
+
+    def score(self, generated: tuple, rows: list[dict], n: int) -> tuple[list[float], float]:
+        """(each response's score, seconds) of one chunk: generated is RolloutWorker.generate's answer."""
+        start = time.perf_counter()
+        scores = score(generated[0], [r for r in rows for _ in range(n)], self.tokenizer, self.reward_fn)
+        return scores.tolist(), time.perf_counter() - start
+
+
+@dataclass
+class Request:
+    """A batch the pool generates: its prompt rows, seeds, and per chunk (the rows it covers, the generate call,
+    the scoring task)."""
+    rows: list[dict]
+    seeds: list[int] | None
+    greedy: bool
+    chunks: list[tuple[slice, Pending, object]]
+
+
+class RolloutPool:
+    """Engines that only generate, on devices of their own (RolloutWorker, one a device), fed the trainer's weights
+    after each update (sync), and the batches they generate ahead of the trainer (prefetch; ppo.feed_pool decides
+    which, within async.staleness). ppo.rl_step takes a batch with generate(rows, seeds): the prefetched one for
+    those seeds, else one generated now.
+
+    Weight sync: the trainer's ranks gather each bucket of whole decoder layers (ActorWorker.send_weights) and its
+    rank 0 broadcasts the tensors over a group of its own with every engine (comm.side_group: gloo on CPU, NCCL on
+    GPU); each engine loads a bucket as it arrives. With hybrid.verify_sync the engines then prove it as the hybrid
+    engine does (checksums of what arrived against the trainer's, and the probe's log-probs).
+    A dead engine: the pool is replaced (new engines, a new sync group, the current weights) and what it held is
+    generated again; the trainer's groups go on. Its restarts count against ray.max_restarts."""
+
+    def __init__(self, cfg: Config, rc: RayConfig, model_path: str, actor: WorkerGroup, driver: Driver):
+        self.cfg, self.rc, self.model_path, self.actor, self.driver = cfg, rc, model_path, actor, driver
+        self.tokenizer = load_tokenizer(model_path)
+        self.plan = actor.weights_plan()  # the buckets' names, shapes and dtypes, for the receiving side
+        self.version, self.restarts, self.requests = 0, 0, {}  # requests: prefetched, by seeds
+        self.hosts = self.placement = None
+        self._start()
+
+    # ---- the pool's hosts ----
+
+    def _start(self) -> None:
+        """New engines (the model from model_path) and a new weight-sync group with the trainer's rank 0."""
+        rc, n = self.rc, self.cfg.async_.rollout_workers
+        gpus = rc.gpus_per_worker if rc.gpus_per_worker is not None else int(ray.cluster_resources().get("GPU", 0) > 0)
+        fault = dict(role="rollout", rank=rc.fail_rank, method=rc.fail_method, call=rc.fail_call, mode=rc.fail_mode) \
+            if rc.fail_role == "rollout" and self.restarts < rc.fail_times else None
+        self.placement, self.hosts = start_pool(n, rc, gpus)
+        infos = ray.get([h.setup.remote(["rollout"], self.cfg, self.model_path, rank, 1, None, fault)
+                         for rank, h in enumerate(self.hosts)])
+        for info in infos:
+            print(f"[ray] rollout rank {info['rank']}: node {info['node'][:12]} pid {info['pid']}")
+        self.group = WorkerGroup("rollout", self.hosts, rc.call_timeout_s, self.driver, pool="rollout")
+        self.scorer = ray.remote(Scorer).options(num_cpus=0).remote(self.model_path, self.cfg.reward_fn_path,
+                                                                    self.cfg.reward_fn_name)
+        address = ray.get(self.actor.hosts[0].address.remote())  # the trainer's rank 0 hosts the group's store
+        joins = [self.group.call_one(i, "open_weight_sync", address, i + 1, n + 1) for i in range(n)]
+        self.actor.open_weight_sync(address, n + 1)
+        for pending in joins:
+            pending.result()
+
+    def stop(self, clean: bool) -> None:
+        """clean: the engines shut down first; then the hosts and their placement group are removed."""
+        if clean:
+            ray.get([h.shutdown.remote() for h in self.hosts])
+        for host in [*self.hosts, self.scorer]:
+            ray.kill(host)
+        remove_placement_group(self.placement)
+
+    def _restart(self, error: WorkerFailure) -> None:
+        """Replace the pool after a failure: new engines with the trainer's current weights, and every prefetched
+        batch submitted again."""
+        while True:
+            self.restarts += 1
+            if self.restarts > self.rc.max_restarts:
+                raise RuntimeError(f"the rollout pool kept failing: {self.restarts} failures, ray.max_restarts="
+                                   f"{self.rc.max_restarts}; the last: {error}") from error
+            print(f"[ray] rollout pool failure: {error}; restart {self.restarts} of at most {self.rc.max_restarts}: "
+                  "new engines with the current weights (the trainer goes on)", file=sys.stderr, flush=True)
+            self.stop(clean=False)
+            try:
+                self._start()
+                self._sync()
+                break
+            except WorkerFailure as e:
+                error = e
+        self.requests = {key: self._submit(r.rows, r.seeds, r.greedy) for key, r in self.requests.items()}
+
+    # ---- weights ----
+
+    def sync(self, version: int) -> dict:
+        """The trainer's current weights (the version-th) into every engine, once the generation in flight is done:
+        its metrics (the wait, the sync's time and bytes, the probe's gap)."""
+        self.version = version
+        while True:
+            try:
+                return self._sync()
+            except WorkerFailure as e:
+                self._restart(e)
+
+    def _sync(self) -> dict:
+        start = time.perf_counter()
+        for r in self.requests.values():  # what the engines are busy with first (the hosts run calls in order)
+            for _, pending, _ in r.chunks:
+                pending.wait()
+        metrics = {"timing_s/wait_rollout_pool": time.perf_counter() - start}
+        n = len(self.hosts)
+        with timer("sync_rollout_weights", metrics):
+            receive = [self.group.call_one(i, "receive_weights", self.plan, self.version) for i in range(n)]
+            send = self.actor.send_weights.submit()
+            try:
+                for pending in receive:
+                    pending.result()
+            except WorkerFailure:
+                try:  # the trainer's rank 0 lost its peers: its error (once its gathers are done) is expected
+                    send.result()
+                except RayTaskError:
+                    pass
+                raise
+            metrics["sync/bytes"] = float(send.result() * n)
+        if self.cfg.hybrid.verify_sync:
+            expected = self.actor.sync_expectation()  # [checksums, probe log-probs]: rank 0's
+            gaps = [self.group.call_one(i, "verify", *expected) for i in range(n)]
+            metrics["sync/probe_logprob_diff_max"] = max(p.result() for p in gaps)
+        return metrics
+
+    # ---- generation ----
+
+    def prefetch(self, rows: list[dict], seeds: list[int]) -> None:
+        """Start generating (and scoring) the batch of these rows and seeds, unless it already is."""
+        if tuple(seeds) not in self.requests:
+            self.requests[tuple(seeds)] = self._submit(rows, seeds, greedy=False)
+
+    def generate(self, rows: list[dict], seeds: list[int] | None, greedy: bool = False) -> tuple[TensorDict, dict]:
+        """The scored batch (verl's layout, with "scores" and "version") of n responses per row (greedy: one), and
+        its metrics: the prefetched batch for these seeds, or one generated now."""
+        request = self.requests.pop(tuple(seeds), None) if seeds else None
+        request = request or self._submit(rows, seeds, greedy)
+        while True:
+            try:
+                return self._collect(request)
+            except WorkerFailure as e:
+                self._restart(e)
+                request = self._submit(rows, seeds, greedy)
+
+    def _submit(self, rows: list[dict], seeds: list[int] | None, greedy: bool) -> Request:
+        """Each engine a contiguous share of the rows, in async.score_chunks calls, each scored by a Ray task as soon
+        as it is generated."""
+        cfg, chunks = self.cfg, []
+        for rank, share in enumerate(_chunks(len(rows), len(self.hosts))):
+            for part in _chunks(share.stop - share.start, cfg.async_.score_chunks):
+                rows_part = slice(share.start + part.start, share.start + part.stop)
+                if rows_part.start == rows_part.stop:
+                    continue
+                prompts = [r["prompt_ids"] for r in rows[rows_part]]
+                pending = self.group.call_one(rank, "generate", prompts, seeds and seeds[rows_part], greedy)
+                scores = self.scorer.score.remote(pending.refs[0], rows[rows_part], 1 if greedy else cfg.rollout_n)
+                chunks.append((rows_part, pending, scores))
+        return Request(rows, seeds, greedy, chunks)
+
+    def _collect(self, request: Request) -> tuple[TensorDict, dict]:
+        start, n = time.perf_counter(), 1 if request.greedy else self.cfg.rollout_n
+        outs = [pending.result() for _, pending, _ in request.chunks]  # a dead engine: WorkerFailure
+        scores = ray.get([s for _, _, s in request.chunks])
+        prompts = [r["prompt_ids"] for r in request.rows for _ in range(n)]
+        batch = pad_batch(prompts, [x for o in outs for x in o[0]], [x for o in outs for x in o[1]],
+                          self.tokenizer.pad_token_id)  # the widths of the longest prompt and response, as colocated
+        batch["version"] = torch.tensor([o[2] for o in outs for _ in o[0]])  # [B]
+        batch["scores"] = torch.tensor([x for s, _ in scores for x in s])  # [B]
+        gen = Counter()  # seconds each engine generated
+        for (part, pending, _), out in zip(request.chunks, outs):
+            gen[pending.ranks[0]] += out[3]
+        return batch, {"timing_s/gen": max(gen.values()), "timing_s/reward": sum(t for _, t in scores),
+                       "timing_s/wait_rollout": time.perf_counter() - start, "async/rollout_restarts": self.restarts}
+
+
 def check(cfg: Config, rc: RayConfig) -> None:
     """What Config cannot check alone: the batch sizes against the groups' ranks."""
     for name, n in (("ray.workers", rc.workers), ("ray.critic_workers", rc.critic_workers or rc.workers)):
         if cfg.train_batch_size % n or cfg.ppo_mini_batch_size % n:
             raise ValueError(f"train_batch_size={cfg.train_batch_size} and ppo_mini_batch_size="
                              f"{cfg.ppo_mini_batch_size} must divide by {name}={n}")
-    if cfg.rollout_backend == "hf" and rc.workers > 1:
+    if cfg.rollout_backend == "hf" and rc.workers > 1 and not cfg.async_.rollout_workers:
         raise ValueError("rollout_backend='hf' runs in one process only; use 'vllm' with several workers")
+    if cfg.async_.rollout_workers and cfg.rollout_tp > 1:
+        raise ValueError(f"rollout_tp={cfg.rollout_tp}: the rollout pool's engines run one a device (rollout_tp 1)")
 
 
 def train(rc_all: RayTrainerConfig) -> list[dict]:
@@ -376,16 +624,23 @@ def train(rc_all: RayTrainerConfig) -> list[dict]:
     model_path, train_files, val_files = warm_start_and_task_files(cfg, init_distributed())  # the driver: no group
     restarts = 0
     while True:
-        driver, groups = Driver(rc.workers, restarts), None
+        driver, groups, pool = Driver(rc.workers, restarts), None, None
         try:
             groups = start_groups(cfg, rc, model_path, driver, restarts)
             for w in groups.where:
                 print(f"[ray] {w['group']} rank {w['rank']}: node {w['node'][:12]} pid {w['pid']}")
-            records = loop(make_run(cfg, model_path, train_files, val_files, groups.actor, groups.critic, driver))
+            if cfg.async_.rollout_workers:
+                pool = RolloutPool(cfg, rc, model_path, groups.actor, driver)
+            records = loop(make_run(cfg, model_path, train_files, val_files, groups.actor, groups.critic, driver,
+                                    pool))
+            if pool:
+                pool.stop(clean=True)
             stop_groups(groups, clean=True)
             return records
         except WorkerFailure as e:
             restarts += 1
+            if pool:
+                pool.stop(clean=False)
             stop_groups(groups, clean=False)
             where = f"after step {driver.last_step} completed" if driver.last_step else "before step 1 completed"
             if restarts > rc.max_restarts:

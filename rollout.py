@@ -243,8 +243,9 @@ class HFRollout:
 
     uses_trainer_model = True  # the trainer's parameters must be on the device while it generates
 
-    def __init__(self, model, tokenizer, device: torch.device):
-        self.model, self.tokenizer, self.device = model, tokenizer, device
+    def __init__(self, model, tokenizer, device: torch.device, own_model: bool = False):
+        """own_model: the model is this engine's own copy (a rollout pool's), which update_weights overwrites."""
+        self.model, self.tokenizer, self.device, self.own_model = model, tokenizer, device, own_model
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -291,11 +292,16 @@ class HFRollout:
             log_probs.append(row_logp[:length])
         return RolloutOutput(responses, log_probs)
 
+    @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Nothing to load: generation runs on the trainer's model itself. The stream is still read, so the
-        hybrid engine's checksums (taken as each tensor is handed over) see every parameter."""
-        for _ in weights:
-            pass
+        """The trainer's own model: nothing to load, but the stream is still read, so the hybrid engine's checksums
+        (taken as each tensor is handed over) see every parameter. A model of its own: copied in."""
+        state = self.model.state_dict() if self.own_model else {}
+        for name, tensor in weights:
+            if name in state:
+                state[name].copy_(tensor)
+            elif self.own_model:
+                raise KeyError(f"update_weights: {name} is not a weight of the engine's model")
 
     @torch.no_grad()
     def prompt_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:

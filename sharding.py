@@ -276,24 +276,29 @@ def weight_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.Tensor]]
     return groups
 
 
-def full_weights(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None):
-    """Yield lists of (HF name, full tensor in dtype) of whole weight_groups, at most bucket_bytes in all (a
-    group larger than bucket_bytes comes alone, whole).
-
-    Collective: every rank iterates, every rank gets the full tensors. Each bucket is gathered when it is
-    yielded and this generator keeps no reference to it, so once the caller drops a bucket no second full copy
-    of the model exists. dtype None keeps the master dtype; shards are cast before the gather.
-    """
-    bucket, size = [], 0
+def weight_buckets(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None):
+    """The model's weights as buckets of (HF name, local tensor or DTensor): whole weight_groups, at most
+    bucket_bytes in all in dtype (a group larger than bucket_bytes comes alone, whole). No communication."""
+    buckets, size = [[]], 0
     for group in weight_groups(model):
         # the full size: DTensor.numel() is global
         nbytes = sum(t.numel() * cast_dtype(t, dtype).itemsize for _, t in group)
-        if bucket and size + nbytes > bucket_bytes:
-            yield [(n, _full(t, dtype)) for n, t in bucket]
-            bucket, size = [], 0
-        bucket += group
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1] += group
         size += nbytes
-    if bucket:
+    return [b for b in buckets if b]
+
+
+def full_weights(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None):
+    """Yield lists of (HF name, full tensor in dtype): weight_buckets, each gathered when it is yielded.
+
+    Collective: every rank iterates, every rank gets the full tensors. This generator keeps no reference to a
+    bucket, so once the caller drops it no second full copy of the model exists. dtype None keeps the master
+    dtype; shards are cast before the gather.
+    """
+    for bucket in weight_buckets(model, bucket_bytes, dtype):
         yield [(n, _full(t, dtype)) for n, t in bucket]
 
 

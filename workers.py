@@ -23,21 +23,23 @@ attention_mask and position_ids [B, P + R], response_mask [B, R] (float), rollou
 
 import math
 import random
+import time
 from contextlib import contextmanager, nullcontext
 
 import torch
 from tensordict import TensorDict
-from transformers import AutoConfig, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from batching import micro_batches, pack, packing_works, unpack
-from comm import Dist, reduce_metrics, timer
+from comm import Dist, broadcast, reduce_metrics, side_group, timer
 from config import Config
 from core_algos import agg_loss, head_log_probs, kl_penalty, lr_factor, policy_loss, tis_weights, value_loss
 from data import load_tokenizer
-from hybrid_engine import HybridEngine
-from rollout import make_rollout
-from sharding import (DTYPES, clip_grad_norm, export_hf, load_sharded, load_sharded_model, move_model, placed,
-                      save_sharded)
+from hybrid_engine import (HybridEngine, checksum, probe_tokens, raise_on_sync_errors, sync_errors, trainer_checksums,
+                           trainer_probe)
+from rollout import HFRollout, make_rollout
+from sharding import (DTYPES, cast_dtype, clip_grad_norm, export_hf, full_weights, load_sharded, load_sharded_model,
+                      move_model, placed, save_sharded, weight_buckets)
 
 LOSS_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")  # summed over micro-batches
 
@@ -280,14 +282,15 @@ class ActorWorker(Worker):
         self.ref = load_sharded_model(model_path, dist, cfg.fsdp, trainable=False) if cfg.use_reference else None
         if self.ref is not None and cfg.offload.ref_params:
             move_model(self.ref, "cpu")
-        self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=self.model, tokenizer=tokenizer,
-                                    device=dist.device, in_group=dist.mesh is not None,
-                                    max_model_len=cfg.max_prompt_length + cfg.max_response_length,
-                                    seed=cfg.seed, dtype=cfg.fsdp.param_dtype,  # the engine computes in the trainer's
-                                    gpu_memory_utilization=cfg.gpu_memory_utilization, tp=cfg.rollout_tp,
-                                    cuda_graphs=cfg.cuda_graphs, verbose=cfg.verbose)
-        # train mode <-> rollout mode, streaming the weights into the engine (the 3D-HybridEngine, hybrid_engine.py)
-        self.hybrid = HybridEngine(self.model, self.rollout, dist, cfg.hybrid, DTYPES[cfg.fsdp.param_dtype])
+        self.sync_group = None  # rank 0's weight-sync group with a rollout pool (open_weight_sync)
+        self.bucket_bytes = int(cfg.hybrid.bucket_mb * 2**20)  # 0: one decoder layer a bucket
+        self.rollout = self.hybrid = None  # with a rollout pool (async.rollout_workers) the pool's engines generate
+        if not cfg.async_.rollout_workers:
+            self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=self.model,
+                                        tokenizer=tokenizer, in_group=dist.mesh is not None, tp=cfg.rollout_tp,
+                                        **engine_args(cfg, dist.device))
+            # train mode <-> rollout mode, streaming the weights into the engine (the 3D-HybridEngine)
+            self.hybrid = HybridEngine(self.model, self.rollout, dist, cfg.hybrid, DTYPES[cfg.fsdp.param_dtype])
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None,
                  greedy: bool = False) -> tuple[TensorDict, dict]:
@@ -296,6 +299,8 @@ class ActorWorker(Worker):
         into the engine) and leaves it before returning.
         Collectives: the weight sync (full_weights' all-gathers; verify_sync's checks), and one all-gather that
         agrees on the padded widths, so that every rank's batch has the same shape (rows can move between ranks)."""
+        if self.rollout is None:
+            raise RuntimeError("generate: this actor has no engine; its rollout pool generates (async.rollout_workers)")
         n, metrics = 1 if greedy else self.cfg.rollout_n, {}
         # the AdamW state leaves the device while the engine takes its memory (it waits on the host anyway when
         # offloaded); the parameters come to the device for the sync only (self.resident)
@@ -314,7 +319,52 @@ class ActorWorker(Worker):
         repeated = [p for p in prompts for _ in range(n)]
         batch = pad_batch(repeated, out.responses, out.log_probs, self.tokenizer.pad_token_id,
                           (int(widths["P/max"]), int(widths["R/max"])))
+        batch["version"] = torch.full((len(repeated),), self.updates)  # [B]: the weights that sampled
         return batch, metrics
+
+    # ---- the weight sync into a rollout pool of its own (ray_trainer.RolloutPool) ----
+
+    def open_weight_sync(self, address: tuple[str, int], size: int) -> None:
+        """Join a new weight-sync group with a rollout pool's size - 1 engines: rank 0 sends, as rank 0 of that group
+        (hosting its store at address); the other ranks only gather. Replaces the previous pool's group."""
+        self.sync_group = None
+        if self.dist.is_main:
+            self.sync_group = side_group(address, 0, size, self.dist.device, self.cfg.dist_timeout_s)
+
+    def weights_plan(self) -> list[list[tuple[str, tuple, torch.dtype]]]:
+        """What send_weights sends: buckets of (HF name, full shape, dtype), whole decoder layers each."""
+        dtype = DTYPES[self.cfg.fsdp.param_dtype]
+        return [[(name, tuple(t.shape), cast_dtype(t, dtype)) for name, t in bucket]
+                for bucket in weight_buckets(self.model, self.bucket_bytes, dtype)]
+
+    def send_weights(self) -> int:
+        """The current weights to the rollout pool, bucket by bucket (weights_plan's): every rank gathers each bucket
+        (full_weights), rank 0 broadcasts its tensors over the sync group. Returns the bytes sent to each engine.
+        Collective (the gathers). A broadcast that fails (a pool worker died) stops the sending, not the gathers,
+        so the ranks stay in step; the error is raised after the last bucket."""
+        nbytes, error = 0, None
+        with self.resident():
+            for bucket in full_weights(self.model, self.bucket_bytes, DTYPES[self.cfg.fsdp.param_dtype]):
+                for _, tensor in bucket:
+                    nbytes += tensor.numel() * tensor.element_size()
+                    if self.sync_group is not None and error is None:
+                        try:
+                            broadcast(self.sync_group, tensor.contiguous())
+                        except RuntimeError as e:  # gloo/NCCL: a peer left
+                            error = e
+                del bucket
+        if error is not None:
+            raise RuntimeError(f"weight sync to the rollout pool failed: {error}")
+        return nbytes
+
+    def sync_expectation(self) -> list:
+        """The trainer's side of verify_sync: [checksums of its weights in the rollout dtype, its probe log-probs as
+        lists]. Collective (the checksums' sum over shards)."""
+        dtype, device = DTYPES[self.cfg.fsdp.param_dtype], self.dist.device
+        with self.resident():
+            probe = trainer_probe(self.model, probe_tokens(self.model.config.vocab_size, self.cfg.hybrid.probe_len),
+                                  device)
+            return [trainer_checksums(self.model, dtype, device), probe.tolist()]
 
     @torch.no_grad()
     def log_probs(self, batch: TensorDict) -> torch.Tensor:
@@ -344,11 +394,11 @@ class ActorWorker(Worker):
         logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True,
                                            remove_padding=self.remove_padding,
                                            entropy_grad=cfg.entropy_coeff != 0)  # [b, R] each
-        mode = cfg.old_log_probs
+        mode = cfg.old_log_probs_from
         old = (micro["old_log_probs"] if mode == "recompute" else micro["rollout_log_probs"] if mode == "rollout"
                else logp.detach())  # [b, R]
         gap = {}
-        if fresh and cfg.old_log_probs != "recompute":  # the engine-trainer gap, which the recomputing pass reports
+        if fresh and mode != "recompute":  # the engine-trainer gap, which the recomputing pass reports
             real = micro["response_mask"]
             diff = (micro["rollout_log_probs"] - logp.detach()).abs() * real  # [b, R]
             gap = {"rollout/logprob_diff_max": diff.max().item(),
@@ -376,7 +426,8 @@ class ActorWorker(Worker):
     def close(self) -> None:
         """Shut the rollout engine down. Call it after the run's last collective: vLLM's cleanup destroys the default
         process group."""
-        self.rollout.close()
+        if self.rollout is not None:
+            self.rollout.close()
 
 
 class CriticWorker(Worker):
@@ -412,3 +463,69 @@ class CriticWorker(Worker):
 
     def close(self) -> None:
         """Nothing to release (no engine)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# A rollout pool's engine
+# ---------------------------------------------------------------------------------------------------
+
+
+def engine_args(cfg: Config, device: torch.device) -> dict:
+    """make_rollout's arguments that a run's Config decides."""
+    return dict(device=device, max_model_len=cfg.max_prompt_length + cfg.max_response_length, seed=cfg.seed,
+                dtype=cfg.fsdp.param_dtype,  # the engine computes in the trainer's compute dtype
+                gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=cfg.cuda_graphs, verbose=cfg.verbose)
+
+
+class RolloutWorker:
+    """A generation-only engine of a rollout pool (ray_trainer.RolloutPool), one a device: its own copy of the
+    policy, loaded from model_path, then the trainer's weights by broadcast after each update (receive_weights),
+    verified as the hybrid engine verifies; every sample records the version of the weights it came from."""
+
+    def __init__(self, cfg: Config, model_path: str, dist: Dist):
+        self.cfg, self.dist, self.tokenizer = cfg, dist, load_tokenizer(model_path)
+        if cfg.rollout_backend == "hf":  # a copy of its own, which receive_weights overwrites
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[cfg.fsdp.param_dtype])
+            self.rollout = HFRollout(model.to(dist.device), self.tokenizer, dist.device, own_model=True)
+        else:
+            self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=None,
+                                        tokenizer=self.tokenizer, in_group=False, **engine_args(cfg, dist.device))
+        self.version, self.received, self.sync_group = 0, {}, None
+        self.probe = probe_tokens(AutoConfig.from_pretrained(model_path).vocab_size, cfg.hybrid.probe_len)  # [N, T]
+
+    def open_weight_sync(self, address: tuple[str, int], rank: int, size: int) -> None:
+        """Join the weight-sync group whose rank 0 is the trainer's rank 0."""
+        self.sync_group = side_group(address, rank, size, self.dist.device, self.cfg.dist_timeout_s)
+
+    @torch.no_grad()
+    def receive_weights(self, plan: list[list[tuple[str, tuple, torch.dtype]]], version: int) -> None:
+        """The trainer's weights (ActorWorker.send_weights), one bucket at a time into the engine; from now on the
+        samples carry `version`. With verify_sync each tensor is fingerprinted as it arrives (verify)."""
+        self.received = {}
+        for bucket in plan:
+            tensors = [(name, torch.empty(shape, dtype=dtype, device=self.dist.device)) for name, shape, dtype in bucket]
+            for name, tensor in tensors:
+                broadcast(self.sync_group, tensor)
+                if self.cfg.hybrid.verify_sync:
+                    self.received[name] = checksum(tensor.reshape(-1), start=0).item()
+            self.rollout.update_weights(iter(tensors))
+            del tensors
+        self.version = version
+
+    def verify(self, expected: dict[str, int], trainer_probe_lp: list) -> float:
+        """What the engine received equals the trainer's weights (checksums) and it computes the trainer's log-probs
+        on the probe (hybrid_engine.sync_errors); returns the probe's gap, or raises."""
+        bad, gap = sync_errors(expected, self.received, self.rollout, self.probe, torch.tensor(trainer_probe_lp))
+        raise_on_sync_errors(bad, gap, self.cfg.hybrid.verify_tol)
+        return gap
+
+    def generate(self, prompts: list[list[int]], seeds: list[int] | None, greedy: bool = False) -> tuple:
+        """n responses per prompt (greedy: one) -> (responses, their log-probs, the weights' version, seconds)."""
+        start, cfg = time.perf_counter(), self.cfg
+        out = self.rollout.generate(prompts, n=1 if greedy else cfg.rollout_n, max_tokens=cfg.max_response_length,
+                                    temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, seeds=seeds,
+                                    ignore_eos=cfg.ignore_eos and not greedy)
+        return out.responses, out.log_probs, self.version, time.perf_counter() - start
+
+    def close(self) -> None:
+        self.rollout.close()
