@@ -65,6 +65,9 @@ class RayConfig:
     """CPUs of one bundle (one worker). Two 1-CPU workers fill a 2-core machine; split on it takes 0.5."""
     gpus_per_worker: int | None = None
     """GPUs of one bundle; None: 1 when the cluster has GPUs, else 0."""
+    pin_cores: bool = False
+    """CPU only: each worker (trainer or engine) gets cpus_per_worker cores of its own, numbered in the order the
+    workers start, its threads and its vLLM engine's bound to them: one device each, as on GPUs (bench/async.py)."""
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How a pool's bundles spread over the nodes (Ray's placement strategies)."""
     address: str | None = None
@@ -94,6 +97,8 @@ class RayConfig:
             raise ValueError(f"ray.critic_workers={self.critic_workers} must be >= 1")
         if self.cpus_per_worker <= 0 or self.call_timeout_s <= 0 or self.max_restarts < 0:
             raise ValueError("ray.cpus_per_worker and ray.call_timeout_s must be > 0, ray.max_restarts >= 0")
+        if self.pin_cores and self.cpus_per_worker != int(self.cpus_per_worker):
+            raise ValueError(f"ray.pin_cores: ray.cpus_per_worker={self.cpus_per_worker} must be whole cores")
 
 
 @dataclass
@@ -121,9 +126,14 @@ class WorkerHost:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, roles: list[str], cfg: Config, model_path: str, rank: int, world: int, master: tuple[str, int],
-              fault: dict | None) -> dict:
+              fault: dict | None, cores: list[int] | None = None) -> dict:
         """Join the process group (comm's init from the torchrun variables) and build the workers; returns where it
-        runs. A rollout pool's engine (roles ["rollout"]) joins no group: each engine stands alone."""
+        runs. A rollout pool's engine (roles ["rollout"]) joins no group: each engine stands alone. cores: the CPU
+        cores this process and its engine's threads are bound to (ray.pin_cores)."""
+        if cores:
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         if roles != ["rollout"]:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=master[0],
                               MASTER_PORT=str(master[1]))  # Ray gives each actor its own GPU as device 0
@@ -390,14 +400,20 @@ def start_groups(cfg: Config, rc: RayConfig, model_path: str, driver: Driver, in
     for name, roles, n in layout:
         pool, hosts = start_pool(n, rc, gpus)
         master = ray.get(hosts[0].address.remote())
-        infos = ray.get([h.setup.remote(roles, cfg, model_path, rank, n, master, fault)
-                         for rank, h in enumerate(hosts)])
+        infos = ray.get([h.setup.remote(roles, cfg, model_path, rank, n, master, fault,
+                                        pinned(len(all_hosts) + rank, rc)) for rank, h in enumerate(hosts)])
         where += [{"group": name, **info} for info in infos]
         for role in roles:
             groups[role] = WorkerGroup(role, hosts, rc.call_timeout_s, driver, pool=name)
         all_hosts += hosts
         pools.append(pool)
     return Groups(groups["actor"], groups.get("critic"), all_hosts, pools, where)
+
+
+def pinned(host: int, rc: RayConfig) -> list[int] | None:
+    """The cores of the host-th worker to start (ray.pin_cores), else None."""
+    k = int(rc.cpus_per_worker)
+    return list(range(host * k, host * k + k)) if rc.pin_cores else None
 
 
 def stop_groups(groups: Groups | None, clean: bool) -> None:
@@ -454,8 +470,10 @@ class RolloutPool:
     A dead engine: the pool is replaced (new engines, a new sync group, the current weights) and what it held is
     generated again; the trainer's groups go on. Its restarts count against ray.max_restarts."""
 
-    def __init__(self, cfg: Config, rc: RayConfig, model_path: str, actor: WorkerGroup, driver: Driver):
+    def __init__(self, cfg: Config, rc: RayConfig, model_path: str, actor: WorkerGroup, driver: Driver,
+                 critic_hosts: list):
         self.cfg, self.rc, self.model_path, self.actor, self.driver = cfg, rc, model_path, actor, driver
+        self.critic_hosts = critic_hosts  # a split critic's, counted for ray.pin_cores
         self.tokenizer = load_tokenizer(model_path)
         self.plan = actor.weights_plan()  # the buckets' names, shapes and dtypes, for the receiving side
         self.version, self.restarts, self.requests = 0, 0, {}  # requests: prefetched, by seeds
@@ -471,8 +489,9 @@ class RolloutPool:
         fault = dict(role="rollout", rank=rc.fail_rank, method=rc.fail_method, call=rc.fail_call, mode=rc.fail_mode) \
             if rc.fail_role == "rollout" and self.restarts < rc.fail_times else None
         self.placement, self.hosts = start_pool(n, rc, gpus)
-        infos = ray.get([h.setup.remote(["rollout"], self.cfg, self.model_path, rank, 1, None, fault)
-                         for rank, h in enumerate(self.hosts)])
+        first = len(self.actor.hosts) + len(self.critic_hosts)  # the trainer's workers took the first cores
+        infos = ray.get([h.setup.remote(["rollout"], self.cfg, self.model_path, rank, 1, None, fault,
+                                        pinned(first + rank, rc)) for rank, h in enumerate(self.hosts)])
         for info in infos:
             print(f"[ray] rollout rank {info['rank']}: node {info['node'][:12]} pid {info['pid']}")
         self.group = WorkerGroup("rollout", self.hosts, rc.call_timeout_s, self.driver, pool="rollout")
@@ -630,7 +649,8 @@ def train(rc_all: RayTrainerConfig) -> list[dict]:
             for w in groups.where:
                 print(f"[ray] {w['group']} rank {w['rank']}: node {w['node'][:12]} pid {w['pid']}")
             if cfg.async_.rollout_workers:
-                pool = RolloutPool(cfg, rc, model_path, groups.actor, driver)
+                split = groups.critic.hosts if groups.critic and groups.critic.hosts is not groups.actor.hosts else []
+                pool = RolloutPool(cfg, rc, model_path, groups.actor, driver, split)
             records = loop(make_run(cfg, model_path, train_files, val_files, groups.actor, groups.critic, driver,
                                     pool))
             if pool:

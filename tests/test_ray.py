@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from test_spmd import args, launch
 
 from conftest import toy_config
-from config import Config
+from config import AsyncConfig, Config
 from ray_trainer import RayConfig, RayTrainerConfig, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,3 +115,47 @@ def test_ray_ppo_split_equals_torchrun(tiny_rl_setup, tmp_path):
     train(RayTrainerConfig(cfg, RayConfig(workers=2, placement="split", cpus_per_worker=0.5)))
     assert_same_run(records(torchrun), records(on_ray), torchrun, on_ray, critic=True)
     assert "timing_s/values" in records(on_ray)[1] and "critic/vf_loss" in records(on_ray)[2]
+
+
+# ---- a rollout pool of its own (async.rollout_workers) ----
+
+
+def test_rollout_pool_synchronous_equals_colocated(grpo_runs, tmp_path):
+    """Two generation-only engines beside two trainer workers, staleness 0: the colocated run's numbers and final
+    weights, every sync verified."""
+    cfg, _, colocated = grpo_runs
+    pooled = replace(cfg, out_dir=str(tmp_path), async_=AsyncConfig(rollout_workers=2, staleness=0))
+    records_ = train(RayTrainerConfig(pooled, RayConfig(workers=2, cpus_per_worker=0.5)))
+    assert_same_run(colocated, records_, cfg.out_dir, tmp_path)
+    for r in records_[1:]:
+        assert r["async/staleness/max"] == 0 and r["sync/bytes"] > 0 and r["sync/probe_logprob_diff_max"] < 1e-4
+        assert 0 <= r["perf/bubble/rollout"] <= 1 and 0 <= r["perf/bubble/actor"] <= 1
+
+
+def one_step_off(cfg: Config, out_dir) -> Config:
+    return replace(cfg, out_dir=str(out_dir), async_=AsyncConfig(rollout_workers=2, staleness=1))
+
+
+def test_one_step_off_replaces_a_dead_rollout_worker(grpo_runs, tmp_path):
+    """Staleness 1: every trained sample is at most one update behind. A rollout engine exits while it generates step
+    3's batch ahead, during step 2's update (its call 14: 4 chunks each for steps 1 and 2, the step-0 evaluation,
+    then step 3); the sync after step 2 finds it dead: a new pool takes the current weights and generates step 3's
+    batch again (from them: staleness 0), and the trainer goes on."""
+    cfg, _, _ = grpo_runs
+    rc = RayConfig(workers=2, cpus_per_worker=0.5, fail_role="rollout", fail_rank=1, fail_method="generate",
+                   fail_call=14, call_timeout_s=30)
+    out = train(RayTrainerConfig(one_step_off(cfg, tmp_path), rc))
+    assert [r["step"] for r in out] == [0, 1, 2, 3]
+    assert [r["async/staleness/max"] for r in out[1:]] == [0, 1, 0]
+    assert [r["async/rollout_restarts"] for r in out[1:]] == [0, 0, 1] and out[-1]["ray/restarts"] == 0
+    assert all(r["sync/probe_logprob_diff_max"] < 1e-4 for r in out[1:])
+
+
+def test_one_step_off_resumes_after_a_trainer_failure(grpo_runs, tmp_path):
+    """The trainer exits in step 3's update: the run resumes from step 2's checkpoint with new groups and a new pool;
+    step 3 runs again from weights synced at the resume (staleness 0) and nothing is lost."""
+    cfg, _, _ = grpo_runs
+    rc = RayConfig(workers=2, cpus_per_worker=0.5, fail_role="actor", fail_rank=0, fail_method="update", fail_call=3)
+    out = train(RayTrainerConfig(one_step_off(cfg, tmp_path), rc))
+    assert [r["step"] for r in out] == [0, 1, 2, 3]
+    assert [r["async/staleness/max"] for r in out[1:]] == [0, 1, 0] and out[-1]["ray/restarts"] == 1
