@@ -7,6 +7,9 @@ loop as torchrun (ppo.rl_step, ppo.loop) over worker groups of Ray actors, each 
     ray start --head                                         # a real cluster: on the head node ...
     ray start --address HEAD_IP:6379                         # ... and on every other node, then on the head:
     python ray_trainer.py --ray.address auto --ray.workers 16 --model-path ...   # one worker a GPU, on any nodes
+    python ray_trainer.py --ray.workers 1 --async.rollout-workers 1       # a rollout pool of its own, one-step-off
+    python ray_trainer.py --ray.workers 1 --async.rollout-workers 1 --async.staleness 0   # the same pools, in turn
+    python bench/async.py                                    # colocated vs split vs one-step-off, the ideal overlap
 
 The driver holds no device. It keeps the whole batch of a step; a worker-group call splits the arguments that hold
 a batch (a TensorDict, or the prompt and seed lists of generate) into contiguous chunks, one per data-parallel rank,
@@ -19,6 +22,11 @@ colocated: actor, rollout engine and reference in one process a device (the hybr
 process; split: the critic gets its own pool and process group, and the driver runs the critic's work and the
 actor's at once where they do not depend on each other (values beside the old/ref log-probs, the critic's update
 beside the actor's).
+
+A rollout pool of its own (async.rollout_workers, RolloutPool below): generation-only engines on devices of their
+own, fed the trainer's weights after each update; with async.staleness 1 they generate batch k+1 while the trainer
+updates on batch k (verl's one-step-off), every sample carries the version of its weights, and each generated
+chunk is scored as it finishes. Every step reports each pool's busy and idle seconds and perf/bubble/<pool>.
 
 Fault tolerance: when a worker dies or does not answer within call_timeout_s, the driver logs which worker, method,
 step and cause, kills the groups, starts new ones, loads the latest checkpoint and goes on. Sampling is seeded per

@@ -1,7 +1,7 @@
 """Generation and training at the same time: synchronous colocated, synchronous split, and one-step-off, on the same
 work (model, batch, steps, devices), side by side in one run, with the ideal overlapped time.
 
-    python bench/async.py                                # both sizes (~12 min on 2 cores)
+    python bench/async.py                                # both sizes (~5 min on 2 cores)
     python bench/async.py --sizes default --steps 3      # one quick size
 
 Devices: on CPU each worker is bound to a core of its own (ray.pin_cores), so two workers are two devices.
@@ -9,9 +9,11 @@ Devices: on CPU each worker is bound to a core of its own (ray.pin_cores), so tw
   split          one trainer worker and one generation-only engine (async.rollout_workers 1), staleness 0: each
                  batch waits for the previous update's weights
   one-step-off   the same pools, staleness 1: batch k+1 generates while the trainer updates on batch k
-Sizes (bench/step.py's): "default" is python grpo.py's run (1M parameters, 32 prompts x 8, a few tokens each);
-"gen" is generation-bound (25M parameters, 16 prompts x 8, 128 tokens each). Every mode recomputes the old
-log-probs (the same work; one-step-off needs them: its samples are one update old).
+Sizes: "default" is python grpo.py's run (the 1M-parameter warm start, 32 prompts x 8, a few tokens each: the
+trainer's work is about twice the generation's); "gen" is generation-bound: the same policy, 8 prompts x 4, every
+response forced to 256 tokens (--ignore-eos), one optimizer step a step (bench/step.py's 25M "gen" size is
+update-bound on CPU: its update takes twice its generation). Every mode recomputes the old log-probs (the same
+work; one-step-off needs them: its samples are one update old).
 
 Printed per size and mode: s/step (mean of the steps after the first), each pool's bubble (idle share of the
 step, perf/bubble/*), and the distance to the ideal overlapped step: from the split run, the larger of the two
@@ -25,23 +27,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/step.py's sizes
 
 import ray  # noqa: E402
 import tyro  # noqa: E402
-from step import gen_model, size_config  # noqa: E402
 
-from comm import init_distributed  # noqa: E402
-from config import AsyncConfig, with_task_values  # noqa: E402
-from ppo import warm_start_and_task_files  # noqa: E402
+from config import AsyncConfig, Config  # noqa: E402
 from ray_trainer import ROOT, RayConfig, RayTrainerConfig, train  # noqa: E402
 
 
 @dataclass
 class BenchConfig:
     sizes: tuple[str, ...] = ("default", "gen")
-    """default (python grpo.py's run) and/or gen (the generation-bound 25M model, 128-token responses)."""
-    steps: int = 4
+    """default (python grpo.py's run) and/or gen (the same policy, generation-bound: 256-token responses)."""
+    steps: int = 6
     """RL steps per mode; the first is left out of the means (start-up, first sync)."""
     out_dir: str = "out/bench_async"
     """Where the runs' files go."""
@@ -56,12 +54,12 @@ MODES = {  # name: (Ray workers, rollout pool workers, staleness)
 
 def run_mode(size: str, mode: str, bench: BenchConfig) -> list[dict]:
     workers, pool, staleness = MODES[mode]
-    cfg = size_config(size, "float32", os.path.join(bench.out_dir, size, mode))
-    model_path, _, _ = warm_start_and_task_files(with_task_values(cfg, False), init_distributed())
+    cfg = Config(adv_estimator="grpo", out_dir=os.path.join(bench.out_dir, size, mode), overwrite=True,
+                 total_steps=bench.steps, eval_every=10**6, old_log_probs="recompute",
+                 async_=AsyncConfig(rollout_workers=pool, staleness=staleness))
     if size == "gen":
-        model_path = gen_model(model_path, bench.out_dir)
-    cfg = replace(cfg, model_path=model_path if size == "gen" else None, total_steps=bench.steps, eval_every=10**6,
-                  old_log_probs="recompute", async_=AsyncConfig(rollout_workers=pool, staleness=staleness))
+        cfg = replace(cfg, train_batch_size=8, ppo_mini_batch_size=8, rollout_n=4, max_response_length=256,
+                      ignore_eos=True)
     records = train(RayTrainerConfig(cfg, RayConfig(workers=workers, cpus_per_worker=1, pin_cores=True)))
     return [r for r in records if r["step"] >= 2]
 
@@ -90,9 +88,9 @@ def main(bench: BenchConfig) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
-    results = {size: {mode: run_mode(size, mode, bench) for mode in MODES} for size in bench.sizes}
-    print(f"\nGRPO steps on {os.cpu_count()} CPU cores, one a worker; means of steps 2..{bench.steps}")
-    for size, runs in results.items():
+    for size in bench.sizes:
+        runs = {mode: run_mode(size, mode, bench) for mode in MODES}
+        print(f"\nGRPO steps on {os.cpu_count()} CPU cores, one a worker; means of steps 2..{bench.steps}")
         report(size, runs)
 
 

@@ -78,7 +78,7 @@ def size_config(size: str, dtype: str, out_dir: str) -> Config:
     cfg.fsdp.param_dtype = dtype
     if size == "gen":
         cfg = replace(cfg, train_batch_size=16, ppo_mini_batch_size=16, rollout_n=8, max_response_length=128,
-                      ignore_eos=True, lr=1e-6, ppo_micro_batch_size=16)
+                      max_prompt_length=32, ignore_eos=True, lr=1e-6, ppo_micro_batch_size=16)
     return cfg
 
 

@@ -91,7 +91,7 @@ def test_a_failed_worker_is_replaced(grpo_runs, tmp_path, method, call, mode):
     ended."""
     cfg, _, whole = grpo_runs
     rc = RayConfig(workers=2, fail_role="actor", fail_rank=1, fail_method=method, fail_call=call, fail_mode=mode,
-                   call_timeout_s=30)
+                   call_timeout_s=15)  # the longest call of this run takes a few seconds
     broken = train(RayTrainerConfig(replace(cfg, out_dir=str(tmp_path)), rc))
     assert [r["ray/restarts"] for r in broken[1:]] == [0, 0, 1]  # step 3 ran again, in the new groups
     assert_same_run(whole, broken, cfg.out_dir, tmp_path)
@@ -143,7 +143,7 @@ def test_one_step_off_replaces_a_dead_rollout_worker(grpo_runs, tmp_path):
     batch again (from them: staleness 0), and the trainer goes on."""
     cfg, _, _ = grpo_runs
     rc = RayConfig(workers=2, cpus_per_worker=0.5, fail_role="rollout", fail_rank=1, fail_method="generate",
-                   fail_call=14, call_timeout_s=30)
+                   fail_call=14)
     out = train(RayTrainerConfig(one_step_off(cfg, tmp_path), rc))
     assert [r["step"] for r in out] == [0, 1, 2, 3]
     assert [r["async/staleness/max"] for r in out[1:]] == [0, 1, 0]
