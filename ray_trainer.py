@@ -240,6 +240,10 @@ class WorkerGroup:
         """method(*args) on one host (no splitting, no joining)."""
         return Pending([self.hosts[rank]], self, method, [args], ranks=[rank])
 
+    def call_each(self, method: str, args: list[tuple]) -> "Pending":
+        """method(*args[rank]) on every host: one Pending, so that a dead host is found while the others wait."""
+        return Pending(self.hosts, self, method, args)
+
 
 class GroupMethod:
     def __init__(self, group: WorkerGroup, method: str):
@@ -506,10 +510,9 @@ class RolloutPool:
         self.scorer = ray.remote(Scorer).options(num_cpus=0).remote(self.model_path, self.cfg.reward_fn_path,
                                                                     self.cfg.reward_fn_name)
         address = ray.get(self.actor.hosts[0].address.remote())  # the trainer's rank 0 hosts the group's store
-        joins = [self.group.call_one(i, "open_weight_sync", address, i + 1, n + 1) for i in range(n)]
+        joins = self.group.call_each("open_weight_sync", [(address, i + 1, n + 1) for i in range(n)])
         self.actor.open_weight_sync(address, n + 1)
-        for pending in joins:
-            pending.result()
+        joins.result()
 
     def stop(self, clean: bool) -> None:
         """clean: the engines shut down first; then the hosts and their placement group are removed."""
@@ -558,11 +561,10 @@ class RolloutPool:
         metrics = {"timing_s/wait_rollout_pool": time.perf_counter() - start}
         n = len(self.hosts)
         with timer("sync_rollout_weights", metrics):
-            receive = [self.group.call_one(i, "receive_weights", self.plan, self.version) for i in range(n)]
+            receive = self.group.call_each("receive_weights", [(self.plan, self.version)] * n)
             send = self.actor.send_weights.submit()
             try:
-                for pending in receive:
-                    pending.result()
+                receive.result()  # a dead engine is found at once; the live ones may wait for what never comes
             except WorkerFailure:
                 try:  # the trainer's rank 0 lost its peers: its error (once its gathers are done) is expected
                     send.result()
@@ -572,8 +574,9 @@ class RolloutPool:
             metrics["sync/bytes"] = float(send.result() * n)
         if self.cfg.hybrid.verify_sync:
             expected = self.actor.sync_expectation()  # [checksums, probe log-probs]: rank 0's
-            gaps = [self.group.call_one(i, "verify", *expected) for i in range(n)]
-            metrics["sync/probe_logprob_diff_max"] = max(p.result() for p in gaps)
+            gaps = self.group.call_each("verify", [tuple(expected)] * n)
+            gaps.result()  # an engine whose check failed raises here
+            metrics["sync/probe_logprob_diff_max"] = max(ray.get(gaps.refs))  # each engine's gap
         return metrics
 
     # ---- generation ----
