@@ -138,7 +138,7 @@ def test_dead_rank_is_named_and_the_same_command_resumes(tiny_rl_setup, tmp_path
 
 
 def test_stuck_rank_is_named_after_dist_timeout(tiny_rl_setup, tmp_path):
-    timeout = 30
+    timeout = 20
     argv = args(tiny_rl_setup, tmp_path / "out", total_steps=2, dist_timeout_s=timeout)
     log = run_with_fault(argv, tmp_path / "fault.log", "1:2:hang", timeout_s=timeout + 60)
     assert "RankFailure: rank 0 stops: rank 1 is alive but did not take part" in log, log[-3000:]
