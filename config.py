@@ -110,7 +110,8 @@ class Config:
     kl_loss_coef: float = 0.001
     """beta of the KL loss."""
     kl_loss_type: KLKind = "low_var_kl"
-    """KL estimator: k1, k2 (mse) or k3 (low_var_kl), after Schulman's 'Approximating KL divergence'."""
+    """KL estimator: k1, abs, k2 (mse) or k3 (low_var_kl), after Schulman's 'Approximating KL divergence'; k1+, k3+,
+    low_var_kl+: that value with k2's gradient (straight-through, verl's)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (subtracted from the loss)."""
     tis_cap: float | None = None

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 AggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLKind = Literal["k1", "k2", "k3", "low_var_kl", "mse"]
+KLKind = Literal["k1", "k2", "k3", "low_var_kl", "mse", "abs", "k1+", "k3+", "low_var_kl+"]
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 AllSum = Callable[[torch.Tensor], torch.Tensor] | None  # sums a tensor over the data shards; None: one holds all
 
@@ -112,17 +112,20 @@ def rollout_mask(old_logp, rollout_logp, mask, level: str, low: float, high: flo
     """The response mask [B, R] without what the engine sampled too far from the trainer's old policy: level "token"
     drops each token whose ratio pi_old / pi_rollout leaves [low, high] (IcePop); "sequence" drops whole responses
     whose geometric-mean ratio leaves it (rejection sampling). Returns (mask, the shares of tokens and responses
-    dropped among the real ones)."""
+    dropped among the real ones, and verl's means of the two statistics: the tokens' log-ratio, k1, and the
+    responses' mean k1)."""
     log_ratio = masked(old_logp - rollout_logp, mask)  # [B, R]
+    real = mask.sum(-1) > 0  # [B]
+    per_seq = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # [B]: log of the geometric-mean ratio
+    stats = {"rollout_corr/rollout_rs_token_k1_mean": masked_mean(log_ratio, mask).item(),
+             "rollout_corr/rollout_rs_seq_mean_k1_mean": (per_seq[real].mean() if real.any() else per_seq.sum()).item()}
     if level == "sequence":
-        per_seq = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # [B]: log of the geometric-mean ratio
         log_ratio = per_seq.unsqueeze(-1).expand_as(log_ratio)  # [B, R]
     keep = (log_ratio >= math.log(low)) & (log_ratio <= math.log(high))  # [B, R]
     kept = mask * keep  # [B, R]
-    real = mask.sum(-1) > 0  # [B]
     dropped_seqs = (real & (kept.sum(-1) < mask.sum(-1))).float().sum() / real.sum().clamp(min=1)
     return kept, {"rollout_corr/masked_tokens": (1 - kept.sum() / mask.sum().clamp(min=1)).item(),
-                  "rollout_corr/masked_seqs": dropped_seqs.item()}
+                  "rollout_corr/masked_seqs": dropped_seqs.item(), **stats}
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float) -> torch.Tensor:
@@ -158,10 +161,17 @@ def lr_factor(update: int, total: int, warmup: int, schedule: str, min_ratio: fl
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torch.Tensor:
-    """Per-token KL(policy || ref) estimate [B, R] from sampled-token log-probs (Schulman 2020)."""
+    """Per-token KL(policy || ref) estimate [B, R] from sampled-token log-probs (Schulman 2020). A kind ending in "+"
+    (k1+, k3+, low_var_kl+) is straight-through, as verl's: the base kind's value with k2's gradient (the unbiased
+    gradient of the KL in expectation, whatever estimator is reported)."""
+    if kind.endswith("+"):
+        k2 = 0.5 * (logp - ref_logp).square()  # [B, R]
+        return kl_penalty(logp, ref_logp, kind[:-1]).detach() + k2 - k2.detach()
     log_ratio = logp - ref_logp
     if kind == "k1":
         return log_ratio
+    if kind == "abs":
+        return log_ratio.abs()
     if kind in ("k2", "mse"):
         return 0.5 * log_ratio.square()
     if kind in ("k3", "low_var_kl"):  # ratio - 1 - log ratio with ratio = ref / policy: unbiased, >= 0
@@ -281,15 +291,20 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_sum: AllSum = None, e
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
     """Generalized advantage estimation (Schulman et al. 2016) over response tokens: (advantages, returns) [B, R].
 
-    rewards, values, mask: [B, R], responses right-padded: after a response's last token the value is 0 (the
-    episode ends). A_t = sum_k (gamma lam)^k delta_{t+k}, delta_t = r_t + gamma V_{t+1} - V_t; returns = A + V.
-    """
-    rewards, values = rewards * mask, values * mask  # [B, R]: padding adds nothing and ends the episode
+    rewards, values, mask: [B, R]. A_t = sum_k (gamma lam)^k delta_{t+k}, delta_t = r_t + gamma V_{t+1} - V_t over the
+    tokens where mask is 1, returns = A + V; 0 where mask is 0. Those are padding (after a response's last token the
+    episode ends: V = 0) and a multi-turn response's observation tokens, which the discount skips as verl's does: the
+    model's token before a tool's output bootstraps from the model's first token after it (mask [1, 1, 0, 0, 1],
+    rewards [0, 0, 0, 0, 2], V = 0, gamma 0.5, lam 1: returns [0.5, 1, 0, 0, 2])."""
+    rewards, values = rewards * mask, values * mask  # [B, R]
+    real = mask.bool()  # [B, R]
     advantages = torch.zeros_like(rewards)  # [B, R]
-    running = torch.zeros_like(rewards[:, 0])  # [B], A_{t+1}
+    running = torch.zeros_like(rewards[:, 0])  # [B], A at the next real token
+    next_value = torch.zeros_like(running)  # [B], V at the next real token (0 past the last)
     for t in reversed(range(rewards.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(running)  # [B]
-        running = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * running
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # [B]
+        running = torch.where(real[:, t], delta + gamma * lam * running, running)
+        next_value = torch.where(real[:, t], values[:, t], next_value)
         advantages[:, t] = running
     advantages = advantages * mask
     return advantages, advantages + values
@@ -308,15 +323,15 @@ def group_advantages(scores: torch.Tensor, group: torch.Tensor, norm_by_std: boo
     A group whose rewards are all equal gets advantage 0 (nothing to prefer). A group of one response
     keeps its raw reward, as verl does (mean 0, std 1). A prompt's group never spans data shards.
     """
-    n_groups = int(group.max()) + 1
-    count = torch.zeros(n_groups).index_add_(0, group, torch.ones_like(scores))  # [G]
-    mean = torch.zeros(n_groups).index_add_(0, group, scores) / count  # [G]
-    sq_dev = torch.zeros(n_groups).index_add_(0, group, (scores - mean[group]).square())
+    zeros = torch.zeros(int(group.max()) + 1, dtype=scores.dtype)  # [G], in the scores' dtype (float64 too)
+    count = zeros.index_add(0, group, torch.ones_like(scores))  # [G]
+    mean = zeros.index_add(0, group, scores) / count  # [G]
+    sq_dev = zeros.index_add(0, group, (scores - mean[group]).square())
     std = (sq_dev / (count - 1).clamp(min=1)).sqrt()  # [G], unbiased like torch.std
     # Equal rewards must give exactly 0: the float mean of 3 x 0.9 misses 0.9 by an ulp, and dividing
     # that by a std of the same size would turn it into a sizeable advantage.
-    top = torch.full((n_groups,), -torch.inf).scatter_reduce(0, group, scores, "amax")  # [G]
-    low = torch.full((n_groups,), torch.inf).scatter_reduce(0, group, scores, "amin")  # [G]
+    top = torch.full_like(zeros, -torch.inf).scatter_reduce(0, group, scores, "amax")  # [G]
+    low = torch.full_like(zeros, torch.inf).scatter_reduce(0, group, scores, "amin")  # [G]
     single = count == 1
     centred = torch.where(single[group], scores, scores - mean[group])  # [B]
     centred = torch.where((top == low)[group] & ~single[group], 0.0, centred)
@@ -332,7 +347,7 @@ def grpo_advantages(scores, group, mask, norm_by_std: bool):
 def rloo_advantages(scores, group, mask):
     """RLOO (Ahmadian et al. 2024): a response's reward minus the mean reward of the other n - 1 responses to its
     prompt, for every token: (advantages, returns) [B, R], the two the same. A group of one keeps its raw reward."""
-    count = torch.zeros(int(group.max()) + 1).index_add_(0, group, torch.ones_like(scores))  # [G]
+    count = torch.zeros(int(group.max()) + 1, dtype=scores.dtype).index_add_(0, group, torch.ones_like(scores))  # [G]
     total = torch.zeros_like(count).index_add_(0, group, scores)  # [G]
     others = (total[group] - scores) / (count[group] - 1).clamp(min=1)  # [B], the leave-one-out baseline
     adv = (scores - others).unsqueeze(-1) * mask  # [B, R]

@@ -324,6 +324,20 @@ def test_kl_k3_nonnegative_zero_when_equal_and_clamped():
     assert kl_penalty(torch.tensor([-20.0]), torch.tensor([-1.0]), "k3").item() == 10.0
 
 
+def test_kl_abs():
+    assert kl_penalty(KL_LOGP, KL_REF, "abs").flatten().tolist() == approx([1.0, 1.0, 0.0, 0.5, 2.0, 0.0])
+
+
+@pytest.mark.parametrize("kind", ["k1+", "k3+", "low_var_kl+"])
+def test_straight_through_kl_has_the_base_value_and_k2s_gradient(kind):
+    logp = KL_LOGP.clone().requires_grad_()
+    kl = kl_penalty(logp, KL_REF, kind)
+    assert kl.detach().flatten().tolist() == approx(kl_penalty(KL_LOGP, KL_REF, kind[:-1]).flatten().tolist())
+    kl.sum().backward()
+    # d/dlogp of 0.5 * (logp - ref)^2 is the log-ratio [[1, -1, 0], [0.5, -2, 0]]
+    assert logp.grad.flatten().tolist() == approx([1.0, -1.0, 0.0, 0.5, -2.0, 0.0])
+
+
 def test_kl_unknown_kind_raises():
     with pytest.raises(ValueError, match="k4"):
         kl_penalty(KL_LOGP, KL_REF, "k4")
@@ -619,6 +633,42 @@ def test_gae_discounted_by_hand():
     close(gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, 0.9, 0.0)[0], [[0.16, 0.14, 0.4, 0.0], [0.17, 0.2, 0.0, 0.0]])
 
 
+# a multi-turn response: model tokens, a tool's output (mask 0), the model again, padding
+OBS_MASK = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+
+
+def test_gae_skips_observation_spans():
+    # verl's multi-turn convention: mask [1, 1, 0, 0, 1], rewards [0, 0, 0, 0, 2], gamma 0.5, V = 0, lambda 1 gives
+    # returns [0.5, 1, 0, 0, 2] (discounting through the span would give [0.125, 0.25, ...])
+    rewards = torch.tensor([[0.0, 0.0, 9.0, 9.0, 2.0, 9.0]], dtype=torch.float64)
+    adv, ret = gae(rewards, torch.zeros_like(rewards), OBS_MASK, 0.5, 1.0)
+    close(ret, [[0.5, 1.0, 0.0, 0.0, 2.0, 0.0]])
+    # with values: token 1 bootstraps from token 4's value. gamma 0.5, lambda 0.5, V = [0.1, 0.2, 7, 7, 0.4, 7]:
+    # d4 = 2 - 0.4 = 1.6; d1 = 0.5 * 0.4 - 0.2 = 0; d0 = 0.5 * 0.2 - 0.1 = 0
+    # A4 = 1.6, A1 = 0 + 0.25 * 1.6 = 0.4, A0 = 0 + 0.25 * 0.4 = 0.1
+    values = torch.tensor([[0.1, 0.2, 7.0, 7.0, 0.4, 7.0]], dtype=torch.float64)
+    adv, ret = gae(rewards, values, OBS_MASK, 0.5, 0.5)
+    close(adv, [[0.1, 0.4, 0.0, 0.0, 1.6, 0.0]])
+    close(ret, [[0.2, 0.6, 0.0, 0.0, 2.0, 0.0]])
+
+
+def test_reinforce_pp_skips_observation_spans():
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 2.0, 0.0]], dtype=torch.float64)
+    ret = reinforce_pp_advantages(rewards, OBS_MASK, gamma=0.5)[1]
+    close(ret, [[0.5, 1.0, 0.0, 0.0, 2.0, 0.0]])
+
+
+def test_advantages_take_float64_scores():
+    scores, group = torch.tensor([1.0, 0.0, 0.5, 0.5], dtype=torch.float64), torch.tensor([0, 0, 1, 1])
+    mask = torch.ones(4, 2, dtype=torch.float64)
+    assert group_advantages(scores, group, norm_by_std=False).tolist() == approx([0.5, -0.5, 0.0, 0.0])
+    assert rloo_advantages(scores, group, mask)[0][:, 0].tolist() == approx([1.0, -1.0, 0.0, 0.0])
+    adv = compute_advantages("grpo", token_level_rewards=None, response_mask=mask, scores=scores, group=group)[0]
+    # group 0: centred +-0.5 over its unbiased std sqrt(0.5); group 1's equal scores give exactly 0
+    assert adv.dtype == torch.float64
+    assert adv[:, 0].tolist() == approx([math.sqrt(0.5), -math.sqrt(0.5), 0.0, 0.0], rel=1e-5)
+
+
 def _whiten_by_hand(xs):
     mean = sum(xs) / len(xs)
     std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) + 1e-8)  # unbiased, as torch.var
@@ -752,6 +802,11 @@ def test_rollout_mask_token_level_drops_single_tokens():
     assert kept.tolist() == [[1, 0, 1, 0], [1, 0, 0, 0], [1, 1, 1, 0]]
     assert metrics["rollout_corr/masked_tokens"] == approx(2 / 8)
     assert metrics["rollout_corr/masked_seqs"] == approx(2 / 3)
+    # verl's statistics: the mean token log-ratio, and the mean over responses of each response's mean log-ratio
+    tokens = [0.1, math.log(3.0), 0.0, -0.6, -1.0, 0.2, -0.2, 0.1]
+    per_seq = [(0.1 + math.log(3.0)) / 3, -0.8, 0.1 / 3]
+    assert metrics["rollout_corr/rollout_rs_token_k1_mean"] == approx(sum(tokens) / 8)
+    assert metrics["rollout_corr/rollout_rs_seq_mean_k1_mean"] == approx(sum(per_seq) / 3)
 
 
 def test_rollout_mask_sequence_level_rejects_whole_responses():
