@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 import tyro
 
+from agent import AgentConfig
 from core_algos import AdvEstimator, AggMode, KLKind
 from hybrid_engine import HybridConfig
 from sharding import FSDPConfig, OffloadConfig
@@ -65,7 +66,10 @@ class Config:
     truncate_prompts: bool = False
     """Keep the last max_prompt_length tokens of long prompts (counted) instead of raising."""
     max_response_length: int = 1024
-    """Generated tokens per response (the EOS included)."""
+    """Response tokens (the EOS included; with tools, their outputs too)."""
+    task: Literal["arith", "calculator"] = "arith"
+    """The built-in task: its files where train_files / val_files are None, its warm start without model_path, its
+    tools where agent.tools_path is None (calculator: products with a calculator tool, data/calculator.py)."""
     # ---- rollout ----
     rollout_backend: Literal["vllm", "hf"] = "vllm"
     """In-process vLLM engine, or HF generate on the trainer's model (same interface)."""
@@ -225,6 +229,8 @@ class Config:
     """What each role keeps in CPU memory while it is not computing (GPU; sharding.OffloadConfig)."""
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     """The weight sync into the rollout engine (hybrid_engine.py, rollout_pool.py): bucket size, verification."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollouts with tools (agent.py): the tools' file, the call and output format, turns, timeout."""
     async_: Annotated[AsyncConfig, tyro.conf.arg(name="async")] = field(default_factory=AsyncConfig)
     """A rollout pool of its own and one-step-off generation (ray_trainer.py only; rollout_pool.py)."""
     dist_timeout_s: int = 1800
@@ -284,6 +290,9 @@ class Config:
             raise ValueError(f"log_prob_max_token_len_per_gpu={self.log_prob_max_token_len_per_gpu} must be >= 1")
         if self.rollout_tp < 1:
             raise ValueError(f"rollout_tp={self.rollout_tp} must be >= 1")
+        if self.agent.tools_path and self.rollout_tp > 1:
+            raise ValueError(f"agent.tools_path with rollout_tp={self.rollout_tp}: the agent loop's turns differ per "
+                             "rank, and a TP group generates together; use rollout_tp=1")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (None: off)")
         self._check_old_log_probs()
@@ -376,15 +385,25 @@ BUILTIN_TASK = dict(lr=2e-4, critic_lr=1e-3, max_prompt_length=32, max_response_
                     ppo_mini_batch_size=8, ppo_micro_batch_size=64, log_prob_max_token_len_per_gpu=2048)
 
 
+TASK_VALUES = {"arith": BUILTIN_TASK, "calculator": dict(BUILTIN_TASK, max_response_length=32)}
+
+
 def with_task_values(cfg: Config, is_main: bool = True) -> Config:
-    """The config a run uses: without --model-path, BUILTIN_TASK's value for each field left at its default (the
-    fields a user set keep theirs), printed once (is_main)."""
+    """The config a run uses: without --model-path, the built-in task's value (TASK_VALUES) for each field left at
+    its default (the fields a user set keep theirs), printed once (is_main); the task's tools where
+    agent.tools_path is None, and a folder of its own (out/grpo_calculator) where out_dir is the entry point's."""
+    if cfg.task == "calculator" and cfg.agent.tools_path is None:
+        from data.calculator import AGENT
+
+        cfg = replace(cfg, agent=replace(cfg.agent, **AGENT))
+    if cfg.task != "arith" and cfg.out_dir in ("out/ppo", "out/grpo"):  # the entry points' own: a run of another
+        cfg = replace(cfg, out_dir=f"{cfg.out_dir}_{cfg.task}")  # task does not meet the default run's folder
     if cfg.model_path is not None:
         return cfg
     defaults = {f.name: f.default for f in fields(Config)}
-    applied = {k: v for k, v in BUILTIN_TASK.items() if getattr(cfg, k) == defaults[k]}
+    applied = {k: v for k, v in TASK_VALUES[cfg.task].items() if getattr(cfg, k) == defaults[k]}
     if applied and is_main:
-        print("built-in task (no --model-path): " + ", ".join(f"{k}={v}" for k, v in applied.items()) +
+        print(f"built-in task {cfg.task} (no --model-path): " + ", ".join(f"{k}={v}" for k, v in applied.items()) +
               " (its own values; a flag you pass wins)")
     return replace(cfg, **applied)
 
@@ -411,6 +430,9 @@ def check_paths(cfg) -> None:
                 raise FileNotFoundError(f"{name}: no such parquet file {path}")
     if cfg.reward_fn_path is not None and not os.path.isfile(cfg.reward_fn_path):
         raise FileNotFoundError(f"reward_fn_path={cfg.reward_fn_path}: no such file")
+    tools = getattr(getattr(cfg, "agent", None), "tools_path", None)
+    if tools is not None and not os.path.isfile(tools):
+        raise FileNotFoundError(f"agent.tools_path={tools}: no such file")
 
 
 def split_files(files: str | None) -> list[str]:

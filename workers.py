@@ -34,6 +34,7 @@ from batching import micro_batches, pack, packing_works, unpack
 from comm import Dist, broadcast, reduce_metrics, side_group, timer
 from config import Config
 from core_algos import agg_loss, head_log_probs, kl_penalty, lr_factor, policy_loss, tis_weights, value_loss
+from agent import AgentLoop
 from data import load_tokenizer
 from hybrid_engine import (HybridEngine, checksum, probe_tokens, raise_on_sync_errors, sync_errors, trainer_checksums,
                            trainer_probe)
@@ -50,28 +51,41 @@ LOSS_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_lo
 
 
 def pad_batch(prompts: list[list[int]], responses: list[list[int]], rollout_logps: list[list[float]], pad_id: int,
-              widths: tuple[int, int] | None = None):
+              widths: tuple[int, int] | None = None, masks: list[list[int]] | None = None,
+              counts: dict[str, list[int]] | None = None):
     """Left-pad prompts and right-pad responses into verl's batch layout (a TensorDict of [B, ...]).
 
     widths (P, R): pad to these instead of the longest prompt and response (they must be at least those).
+    masks: multi-turn responses' masks (agent.py: 0 on a tool's tokens), the response_mask; the attention covers
+    every token. counts: per-response values (num_turns, tool_calls, tool_errors), each a [B] key.
     """
     B, (P, R) = len(responses), widths or (max(map(len, prompts)), max(1, max(map(len, responses))))
     prompt_ids = torch.full((B, P), pad_id)  # [B, P]
     response_ids = torch.full((B, R), pad_id)  # [B, R]
     prompt_mask = torch.zeros(B, P, dtype=torch.long)
-    response_mask = torch.zeros(B, R, dtype=torch.long)
+    response_attention = torch.zeros(B, R, dtype=torch.long)
+    response_mask = torch.zeros(B, R)
     rollout_log_probs = torch.zeros(B, R)
     for b, (p, r, lp) in enumerate(zip(prompts, responses, rollout_logps)):
         prompt_ids[b, P - len(p) :], prompt_mask[b, P - len(p) :] = torch.tensor(p), 1
-        response_ids[b, : len(r)], response_mask[b, : len(r)] = torch.tensor(r, dtype=torch.long), 1
+        response_ids[b, : len(r)], response_attention[b, : len(r)] = torch.tensor(r, dtype=torch.long), 1
+        response_mask[b, : len(r)] = 1.0 if masks is None else torch.tensor(masks[b], dtype=torch.float)
         rollout_log_probs[b, : len(r)] = torch.tensor(lp)
-    attention_mask = torch.cat([prompt_mask, response_mask], 1)  # [B, P + R]
+    attention_mask = torch.cat([prompt_mask, response_attention], 1)  # [B, P + R]
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, P + R], 0 at the first real token
-    return TensorDict(
+    batch = TensorDict(
         prompts=prompt_ids, responses=response_ids, input_ids=torch.cat([prompt_ids, response_ids], 1),
-        attention_mask=attention_mask, position_ids=position_ids, response_mask=response_mask.float(),
+        attention_mask=attention_mask, position_ids=position_ids, response_mask=response_mask,
         rollout_log_probs=rollout_log_probs, batch_size=[B],
     )
+    for key, values in (counts or {}).items():
+        batch[key] = torch.tensor(values)  # [B]
+    return batch
+
+
+def response_lengths(batch: TensorDict) -> torch.Tensor:
+    """Each response's length in tokens [B], a tool's included (response_mask counts the model's only)."""
+    return batch["attention_mask"][:, -batch["responses"].shape[1] :].sum(-1)
 
 
 def response_positions(batch: TensorDict, remove_padding: bool) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -284,13 +298,14 @@ class ActorWorker(Worker):
             move_model(self.ref, "cpu")
         self.sync_group = None  # rank 0's weight-sync group with a rollout pool (open_weight_sync)
         self.bucket_bytes = int(cfg.hybrid.bucket_mb * 2**20)  # 0: one decoder layer a bucket
-        self.rollout = self.hybrid = None  # with a rollout pool (async.rollout_workers) the pool's engines generate
+        self.rollout = self.hybrid = self.sampler = None  # with a rollout pool (async.rollout_workers) the pool's engines generate
         if not cfg.async_.rollout_workers:
             self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=self.model,
                                         tokenizer=tokenizer, in_group=dist.mesh is not None, tp=cfg.rollout_tp,
                                         **engine_args(cfg, dist.device))
             # train mode <-> rollout mode, streaming the weights into the engine (the 3D-HybridEngine)
             self.hybrid = HybridEngine(self.model, self.rollout, dist, cfg.hybrid, DTYPES[cfg.fsdp.param_dtype])
+            self.sampler = AgentLoop(self.rollout, tokenizer, cfg.agent) if cfg.agent.tools_path else self.rollout
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None,
                  greedy: bool = False) -> tuple[TensorDict, dict]:
@@ -310,7 +325,7 @@ class ActorWorker(Worker):
         sync_resident, resident = (nullcontext, self.resident()) if self.rollout.uses_trainer_model else \
             (self.resident, nullcontext())
         with optimizer_away, resident, self.hybrid.rollout_mode(metrics, sync_resident), timer("gen", metrics):
-            out = self.rollout.generate(prompts, n=n, max_tokens=self.cfg.max_response_length,
+            out = self.sampler.generate(prompts, n=n, max_tokens=self.cfg.max_response_length,
                                         temperature=0.0 if greedy else self.cfg.temperature,
                                         top_p=self.cfg.top_p, seeds=seeds,
                                         ignore_eos=self.cfg.ignore_eos and not greedy)
@@ -318,7 +333,7 @@ class ActorWorker(Worker):
                                 self.dist)
         repeated = [p for p in prompts for _ in range(n)]
         batch = pad_batch(repeated, out.responses, out.log_probs, self.tokenizer.pad_token_id,
-                          (int(widths["P/max"]), int(widths["R/max"])))
+                          (int(widths["P/max"]), int(widths["R/max"])), out.masks, out.counts)
         batch["version"] = torch.full((len(repeated),), self.updates)  # [B]: the weights that sampled
         return batch, metrics
 
@@ -490,6 +505,7 @@ class RolloutWorker:
         else:
             self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=None,
                                         tokenizer=self.tokenizer, in_group=False, **engine_args(cfg, dist.device))
+        self.sampler = AgentLoop(self.rollout, self.tokenizer, cfg.agent) if cfg.agent.tools_path else self.rollout
         self.version, self.received, self.sync_group = 0, {}, None
         self.probe = probe_tokens(AutoConfig.from_pretrained(model_path).vocab_size, cfg.hybrid.probe_len)  # [N, T]
 
@@ -520,12 +536,12 @@ class RolloutWorker:
         return gap
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, greedy: bool = False) -> tuple:
-        """n responses per prompt (greedy: one) -> (responses, their log-probs, the weights' version, seconds)."""
+        """n responses per prompt (greedy: one) -> (a RolloutOutput, the weights' version, seconds)."""
         start, cfg = time.perf_counter(), self.cfg
-        out = self.rollout.generate(prompts, n=1 if greedy else cfg.rollout_n, max_tokens=cfg.max_response_length,
+        out = self.sampler.generate(prompts, n=1 if greedy else cfg.rollout_n, max_tokens=cfg.max_response_length,
                                     temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, seeds=seeds,
                                     ignore_eos=cfg.ignore_eos and not greedy)
-        return out.responses, out.log_probs, self.version, time.perf_counter() - start
+        return out, self.version, time.perf_counter() - start
 
     def close(self) -> None:
         self.rollout.close()

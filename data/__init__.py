@@ -1,7 +1,7 @@
 """The RL prompt loader shared by every task, in verl's parquet schema.
 
 Each row of a task's parquet file holds:
-    data_source   str                       picks the verifier ("arith", "openai/gsm8k")
+    data_source   str                       picks the verifier ("arith", "calculator", "openai/gsm8k")
     prompt        list of {role, content}   the chat the policy completes
     ability       str                       a tag ("math")
     reward_model  {style, ground_truth}     style "rule"; ground_truth is a string
@@ -9,6 +9,7 @@ Each row of a task's parquet file holds:
 
 Make the task files, then load them:
     python -m data.arith                                       # data/arith/{train,val}.parquet
+    python -m data.calculator                                  # data/calculator/{train,val}.parquet (a tool's task)
     python -m data.gsm8k --local-dir /path/to/gsm8k            # data/gsm8k/{train,test}.parquet
     python -c "from data import read_rl_parquet; print(read_rl_parquet('data/arith/val.parquet')[0])"
 Test:
@@ -133,9 +134,10 @@ def default_compute_score(
 ) -> float:
     """Score one response with the built-in verifier for its data_source."""
     # imported here, not at the top: `python -m data.arith` imports this package first, and must not run arith twice
-    from data import arith, gsm8k
+    from data import arith, calculator, gsm8k
 
-    scorers = {"arith": arith.compute_score, "openai/gsm8k": gsm8k.compute_score}
+    scorers = {"arith": arith.compute_score, "calculator": calculator.compute_score,
+               "openai/gsm8k": gsm8k.compute_score}
     if data_source not in scorers:
         raise ValueError(
             f"no built-in verifier for data_source {data_source!r} (known: {sorted(scorers)}); "

@@ -6,9 +6,11 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: import ppo, sft, ...
 
+from agent import AgentConfig  # noqa: E402
 from config import BUILTIN_TASK, Config  # noqa: E402
 from data.arith import ArithConfig, write_parquet  # noqa: E402
 from sft import SFTConfig, build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
@@ -53,3 +55,32 @@ def tiny_rl_setup(tmp_path_factory, byte_tokenizer) -> dict:
     (root / "reward.py").write_text(DIGIT_REWARD)
     return dict(model_path=str(root / "model"), train_files=train_file, val_files=val_file,
                 reward_fn_path=str(root / "reward.py"))
+
+
+# A tool whose answer the tests know, and the tiny random policy made to call it: every token's embedding gets a
+# feature (its dimension 0) that the logits of the call's tokens "[" and "]" weigh more, so both come now and then
+# at any position (the rest stays random).
+PROBE_TOOL = '''
+def probe(text):
+    """Answers "ok" to any call."""
+    return "ok"
+'''
+AGENT_FORMAT = dict(call_start="[", call_end="]", observation="({result})")
+CALL_TOKENS = {"[": 0.5, "]": 0.35}  # each token's logit offset, over the 1.0 every token gets
+
+
+@pytest.fixture(scope="session")
+def calling_setup(tiny_rl_setup, tmp_path_factory, byte_tokenizer) -> dict:
+    """tiny_rl_setup with a policy that calls tools often, and the agent's config (key "agent") for PROBE_TOOL."""
+    root = tmp_path_factory.mktemp("calling")
+    model = build_tiny_qwen2(byte_tokenizer, TINY)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight  # [V, H], tied with the input embeddings
+        head[:, 0] += 1.0  # a feature every position carries: a logit offset for the tokens below
+        for text, offset in CALL_TOKENS.items():
+            head[byte_tokenizer.encode(text, add_special_tokens=False)[0], 0] += offset
+    model.save_pretrained(root / "model")
+    byte_tokenizer.save_pretrained(root / "model")
+    (root / "tools.py").write_text(PROBE_TOOL)
+    return dict(tiny_rl_setup, model_path=str(root / "model"),
+                agent=AgentConfig(tools_path=str(root / "tools.py"), **AGENT_FORMAT))

@@ -73,8 +73,8 @@ def test_weights_reach_the_pool_engine_and_are_verified(model_path):
     for name, tensor in trainer.items():
         assert torch.equal(received[name], tensor), name
     assert engine.verify(*actor.sync_expectation()) < 1e-6
-    responses, log_probs, version, _ = engine.generate([[1, 2, 3]], seeds=[0])
-    assert version == 7 and len(responses) == 2 and list(map(len, responses)) == list(map(len, log_probs))
+    out, version, _ = engine.generate([[1, 2, 3]], seeds=[0])
+    assert version == 7 and len(out.responses) == 2 and list(map(len, out.responses)) == list(map(len, out.log_probs))
 
     with torch.no_grad():  # an update that was not synced: the engine holds the previous version
         actor.model.get_input_embeddings().weight.add_(0.01)

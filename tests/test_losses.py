@@ -581,6 +581,8 @@ def test_last_token_places_the_score_on_each_rows_last_real_token():
     assert out.tolist() == [[0.0, 0.0, 1.0, 0.0], [0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]]
     empty = torch.tensor([[1.0, 0.0], [0.0, 0.0]])  # a row without response tokens gets no reward
     assert last_token(torch.tensor([3.0, 4.0]), empty).tolist() == [[3.0, 0.0], [0.0, 0.0]]
+    turns = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # tool spans (mask 0)
+    assert last_token(torch.tensor([5.0, 6.0]), turns).tolist() == [[0.0] * 4 + [5.0, 0.0], [6.0] + [0.0] * 5]
 
 
 def test_kl_in_reward_by_hand():

@@ -2,8 +2,8 @@
 
     python -m pytest tests/test_ray.py -q
 
-- GRPO with 2 colocated workers gives torchrun's per-step rewards, losses and accuracies and its final weights;
-  so does PPO with the critic in a pool of its own (split placement).
+- GRPO with 2 colocated workers gives torchrun's per-step rewards, losses and accuracies and its final weights, on
+  multi-turn rows with a tool (agent.py); so does PPO with the critic in a pool of its own (split placement).
 - A worker that stops answering during generation is replaced: the run resumes from the latest checkpoint and ends
   with the uninterrupted run's metrics and weights; ray/restarts counts the restart.
 - A worker that keeps dying stops the run after ray.max_restarts with an error that says so.
@@ -30,7 +30,8 @@ STEPS = 3
 # are averaged differently by torchrun's rank-mean and the driver's whole batch)
 SAME = ("critic/score/mean", "critic/score/max", "critic/score/min", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
         "actor/grad_norm", "actor/pg_clipfrac", "response_length/mean", "critic/vf_loss", "critic/grad_norm",
-        "critic/values/max", "critic/values/min", "val/accuracy", "global_seqlen/balanced_minmax_diff")
+        "critic/values/max", "critic/values/min", "val/accuracy", "global_seqlen/balanced_minmax_diff",
+        "num_turns/mean", "tool_calls/mean", "tool_errors/mean", "val/tool_call_rate")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,11 +69,17 @@ def assert_same_run(a, b, out_a, out_b, critic: bool = False):
 
 
 @pytest.fixture(scope="module")
-def grpo_runs(tiny_rl_setup, tmp_path_factory):
-    """The same GRPO run under torchrun (2 ranks) and under the Ray driver (2 colocated workers)."""
+def grpo_runs(calling_setup, tmp_path_factory):
+    """The same multi-turn GRPO run (a policy that calls a tool now and then: conftest.calling_setup) under torchrun
+    (2 ranks) and under the Ray driver (2 colocated workers); the rollout pool tests below run it too."""
     torchrun, on_ray = tmp_path_factory.mktemp("torchrun"), tmp_path_factory.mktemp("ray_grpo")
-    launch(args(tiny_rl_setup, torchrun, total_steps=STEPS, ckpt_every=2), torchrun / "log", ranks=2)
-    cfg = config(tiny_rl_setup, on_ray, hybrid=replace(Config().hybrid, verify_sync=True))
+    agent = calling_setup["agent"]
+    flags = [f"--agent.{k.replace('_', '-')}={getattr(agent, k)}" for k in ("tools_path", "call_start", "call_end",
+                                                                             "observation")]
+    setup = {k: v for k, v in calling_setup.items() if k != "agent"}
+    launch(args(setup, torchrun, total_steps=STEPS, ckpt_every=2, max_response_length=16) + flags, torchrun / "log",
+           ranks=2)
+    cfg = config(calling_setup, on_ray, max_response_length=16, hybrid=replace(Config().hybrid, verify_sync=True))
     return cfg, torchrun, train(RayTrainerConfig(cfg, RayConfig(workers=2)))
 
 
@@ -80,6 +87,7 @@ def test_ray_grpo_equals_torchrun(grpo_runs):
     cfg, torchrun, ray_records = grpo_runs
     assert_same_run(records(torchrun), records(cfg.out_dir), torchrun, cfg.out_dir)
     assert ray_records == records(cfg.out_dir)
+    assert all(r["tool_calls/mean"] > 0 and r["num_turns/max"] > 1 for r in ray_records[1:])  # multi-turn rows
     assert all(r["ray/restarts"] == 0 and r["ray/driver_bytes"] > 0 for r in ray_records[1:])
     assert os.path.getsize(os.path.join(cfg.out_dir, "curves.png")) > 1000
 
