@@ -23,6 +23,7 @@ from tracking import Backend
 START_HERE = """Where to start: `python {script}` runs {algo} on the built-in arithmetic task with a tiny model on CPU
 (minutes; outputs in out/{name}). Your own task: --model-path (e.g. a warm start from sft.py), --train-files,
 --val-files (verl's parquet schema) and --reward-fn-path (the README's "Your own data" shows the whole path).
+A task that needs a tool (multi-turn): --task calculator; your tools: --agent.tools-path.
 Most changed: --total-steps, --rollout-n, --lr, --max-response-length, --train-batch-size; --logger tensorboard;
 --ckpt-every. Every field follows."""
 

@@ -113,7 +113,8 @@ class SFTConfig:
     """Built-in task: after stop_accuracy, train on a sloppy teacher that forgets each carry with this chance
     (data/arith.py), so the warm start can add but mostly drops carries: RL has a habit to unlearn (0: skip)."""
     habit_steps: int = 300
-    """Built-in task: steps on the sloppy teacher's answers."""
+    """Built-in task: steps on the second teacher's answers (arith: the sloppy one; calculator: the one who calls the
+    tool for a share of the problems)."""
     seed: int = 0
     """Seed for the model initialisation and data order."""
     task: Literal["arith", "calculator"] = "arith"
@@ -388,7 +389,8 @@ def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir
     if habit_pairs and cfg.habit_steps:
         if kept is not history[-1]:  # go on from the best model, not the last
             model.load_state_dict(AutoModelForCausalLM.from_pretrained(tmp).state_dict())
-        steps += fit(habit_pairs, cfg.habit_steps, 0.0, "sft on the sloppy teacher")
+        teacher = "sloppy" if cfg.task == "arith" else "occasional tool-calling"
+        steps += fit(habit_pairs, cfg.habit_steps, 0.0, f"sft on the {teacher} teacher")
         kept = history[-1]
         save_model(model, tokenizer, tmp)
     result = {"steps": steps, "best_phase": kept["phase"], "best_step": kept["step"], "loss": kept["loss"],

@@ -18,7 +18,9 @@ attributes. Every collective a method performs runs over the worker's own proces
 process) and is named in its docstring: every rank of the group must make the same calls in the same order.
 
 Batch layout (verl's): prompts left-padded [B, P], responses right-padded [B, R], input_ids = both [B, P + R],
-attention_mask and position_ids [B, P + R], response_mask [B, R] (float), rollout_log_probs [B, R] (the engine's).
+attention_mask and position_ids [B, P + R], response_mask [B, R] (float: 1 on the model's tokens, 0 on padding and on
+a tool's output in multi-turn rows), rollout_log_probs [B, R] (the engine's); with tools (agent.py) also num_turns,
+tool_calls and tool_errors [B]. A response's length is its attention's (response_lengths), tools' tokens included.
 """
 
 import math

@@ -5,8 +5,8 @@
 A tiny random policy made to call a tool now and then (conftest.calling_setup: "[" opens a call, "]" ends it, the
 tool answers "ok" as "(ok)"). The masks are 0 exactly on the tools' tokens, the ids trained on are the ids the engine
 produced, the trainer's log-probs on the model's tokens are the engine's, packed and padded updates agree, and a
-tool that raises or hangs becomes an observation that counts as an error. (Under torchrun and Ray: test_ray.py's
-runs use this policy and tool.)
+tool that raises or hangs becomes an observation that counts as an error, and dynamic sampling's regrouping keeps the
+tool spans. (Under torchrun and Ray: test_ray.py's runs use this policy and tool.)
 """
 
 import time
@@ -21,7 +21,8 @@ from comm import init_distributed
 from config import Config
 from conftest import toy_config
 from data import tokenize_prompt
-from workers import ActorWorker, response_lengths
+from ppo import SPMD, repad
+from workers import ActorWorker, pad_batch, response_lengths
 
 QUESTIONS = ["1+2=", "33-4=", "7+8=", "9-9=", "12+34=", "5-1="]
 
@@ -211,3 +212,17 @@ def test_packed_and_padded_updates_agree_on_multi_turn_rows(calling_setup):
         torch.testing.assert_close(g_dyn[name], g_whole[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
         assert m_dyn[k] == pytest.approx(m_whole[k], rel=1e-4, abs=1e-6), k
+
+
+def test_dynamic_samplings_repad_keeps_the_tool_spans():
+    """Groups from two generate calls (different widths) as one batch: masks, lengths and counts travel with rows."""
+    a = pad_batch([[5, 6]], [[1, 2, 3]], [[-1.0, 0.0, -1.0]], 0, masks=[[1, 0, 1]],
+                  counts={"num_turns": [2], "tool_calls": [1], "tool_errors": [0]})
+    b = pad_batch([[7]], [[4, 4, 4, 4, 4]], [[-1.0] * 5], 0, masks=[[1, 1, 0, 0, 1]],
+                  counts={"num_turns": [2], "tool_calls": [1], "tool_errors": [1]})
+    for g, (i, s, v) in ((a, (0, 1.0, 3)), (b, (1, 0.0, 3))):
+        g["index"], g["scores"], g["version"] = torch.tensor([i]), torch.tensor([s]), torch.tensor([v])
+    batch = repad([b, a], SPMD(init_distributed()), 0)
+    assert batch["response_mask"].tolist() == [[1, 1, 0, 0, 1], [1, 0, 1, 0, 0]]
+    assert response_lengths(batch).tolist() == [5, 3] and batch["tool_errors"].tolist() == [1, 0]
+    assert batch["prompts"].tolist() == [[0, 7], [5, 6]] and batch["index"].tolist() == [1, 0]

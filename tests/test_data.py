@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data import RLDataset, arith, default_compute_score, gsm8k, load_reward_fn, read_rl_parquet, tokenize_prompt
+from data import RLDataset, arith, calculator, default_compute_score, gsm8k, load_reward_fn, read_rl_parquet, tokenize_prompt
 
 
 def row(content: str, ground_truth: str = "46", data_source: str = "arith") -> dict:
@@ -158,6 +158,27 @@ def test_arith_config_rejects(field, value):
     with pytest.raises(ValueError, match=field):
         arith.ArithConfig(**kwargs)
 
+
+
+def test_calculator_task_its_tool_and_its_teacher(tmp_path):
+    """The tool computes, the teacher calls it for its share of the problems (and its trace scores 1), and only the
+    text after the tool's last output counts as the answer."""
+    assert calculator.calc(" 123*456 ") == 56088 and calculator.calc("-(2+3)*4") == -20
+    for bad in ("2**10", "__import__('os')", "1.5*2"):
+        with pytest.raises(ValueError, match="not an integer expression"):
+            calculator.calc(bad)
+    train, val = map(read_rl_parquet, calculator.write_parquet(calculator.CalculatorConfig(
+        out_dir=str(tmp_path), n_train=2000, n_val=50)))
+    assert not {r["extra_info"]["expression"] for r in val} & {r["extra_info"]["expression"] for r in train}
+    calls = [r["extra_info"]["teacher_answer"].startswith("<<") for r in train]
+    assert 0.17 < sum(calls) / len(calls) < 0.23  # teacher_call_rate 0.2
+    for row in train[:50]:
+        truth = row["reward_model"]["ground_truth"]
+        assert int(truth) == calculator.calc(row["extra_info"]["expression"]) and 1000 <= int(truth) < 1_000_000
+        for trace in (row["extra_info"]["teacher_answer"], row["extra_info"]["tool_answer"]):
+            assert default_compute_score("calculator", trace, truth) == 1.0
+    assert calculator.compute_score("<<12*34=408>>", "408") == 0.0  # the tool's output alone is not an answer
+    assert calculator.compute_score("<<12*34=408>>408", "408") == 1.0
 
 
 def test_read_rl_parquet_missing_column(tmp_path):

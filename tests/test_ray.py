@@ -87,7 +87,7 @@ def test_ray_grpo_equals_torchrun(grpo_runs):
     cfg, torchrun, ray_records = grpo_runs
     assert_same_run(records(torchrun), records(cfg.out_dir), torchrun, cfg.out_dir)
     assert ray_records == records(cfg.out_dir)
-    assert all(r["tool_calls/mean"] > 0 and r["num_turns/max"] > 1 for r in ray_records[1:])  # multi-turn rows
+    assert all(r["tool_calls/mean"] > 0 for r in ray_records[1:]) and max(r["num_turns/max"] for r in ray_records[1:]) > 1
     assert all(r["ray/restarts"] == 0 and r["ray/driver_bytes"] > 0 for r in ray_records[1:])
     assert os.path.getsize(os.path.join(cfg.out_dir, "curves.png")) > 1000
 

@@ -34,8 +34,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}  # two ranks sh
 
 
 def args(setup: dict, out_dir, **overrides) -> list[str]:
-    cfg = dict(BUILTIN_TASK, **setup, train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4, max_response_length=6,
-               lr=3e-3, eval_every=2, out_dir=str(out_dir), **overrides)
+    cfg = {**BUILTIN_TASK, **setup, "train_batch_size": 8, "ppo_mini_batch_size": 4, "rollout_n": 4,
+           "max_response_length": 6, "lr": 3e-3, "eval_every": 2, "out_dir": str(out_dir), **overrides}
     return [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()] + ["--hybrid.verify-sync"]  # every sync proven
 
 

@@ -82,7 +82,10 @@ def test_a_model_you_bring_gets_verls_defaults_and_the_builtin_task_its_own(tiny
     toy = with_task_values(Config(lr=1e-3))
     assert toy.lr == 1e-3 and {k: getattr(toy, k) for k in BUILTIN_TASK if k != "lr"} == {
         k: v for k, v in BUILTIN_TASK.items() if k != "lr"}
-    assert "built-in task (no --model-path): critic_lr=0.001" in capsys.readouterr().out
+    assert "built-in task arith (no --model-path): critic_lr=0.001" in capsys.readouterr().out
+    calc = with_task_values(Config(task="calculator", out_dir="out/grpo"))  # its answers need room, it has a tool
+    assert (calc.max_response_length, calc.lr, calc.out_dir) == (32, BUILTIN_TASK["lr"], "out/grpo_calculator")
+    assert calc.agent.tools_path.endswith("data/calculator.py") and calc.agent.call_end == "="
 
 
 def test_lengths_beyond_the_models_positions_are_named(tiny_rl_setup):
