@@ -210,12 +210,13 @@ def test_loss_mask_drops_responses_from_the_update(model_path):
 def test_policy_loss_mask_drops_truncated_responses(byte_tokenizer):
     """mask_truncated: a response that hit max_response_length without EOS gets no loss; one ending on EOS keeps it."""
     eos = byte_tokenizer.eos_token_id
-    responses = torch.tensor([[5, 6, 7, 8], [5, 6, 7, eos], [5, 6, 0, 0]])
-    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])
-    batch = TensorDict(responses=responses, response_mask=mask, batch_size=[3])
+    responses = torch.tensor([[5, 6, 7, 8], [5, 6, 7, eos], [5, 6, 0, 0], [5, 6, 7, 8]])
+    attention = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])  # [B, P + R], P = 0 here
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 1]])  # the last: a tool's span
+    batch = TensorDict(responses=responses, attention_mask=attention, response_mask=mask, batch_size=[4])
     loss_mask, metrics = policy_loss_mask(batch, Config(max_response_length=4, mask_truncated=True), eos)
-    assert loss_mask.tolist() == [[0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
-    assert metrics["response_length/truncated_masked"] == pytest.approx(1 / 3)
+    assert loss_mask.tolist() == [[0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
+    assert metrics["response_length/truncated_masked"] == pytest.approx(2 / 4)
     with pytest.raises(ValueError, match="rollout_mask='token' .* needs old_log_probs='recompute'"):
         Config(rollout_mask="token", old_log_probs="rollout")
 
