@@ -211,6 +211,14 @@ class Config:
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (actor and critic; verl's
     enable_gradient_checkpointing): the update's memory no longer grows with layers x tokens."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on the actor (lora.py, peft); 0: full fine-tuning. Only the adapters train; the
+    reference is the same model with them off. RL wants a higher lr than full fine-tuning (TRL: ~10x)."""
+    lora_alpha: float = 16.0
+    """LoRA's scale numerator: the adapters' product is scaled by lora_alpha / lora_rank."""
+    lora_target_modules: str = "all-linear"
+    """The linears that get adapters: comma-separated module names (q_proj,v_proj), or all-linear (every linear
+    layer but the LM head)."""
     use_remove_padding: bool = False
     """Pack each micro-batch into one row without padding, position_ids restarting per sequence; falls back to
     padded micro-batches, with a message, where the model's attention would let the sequences see each other."""
@@ -291,6 +299,8 @@ class Config:
             raise ValueError(f"log_prob_max_token_len_per_gpu={self.log_prob_max_token_len_per_gpu} must be >= 1")
         if self.rollout_tp < 1:
             raise ValueError(f"rollout_tp={self.rollout_tp} must be >= 1")
+        if self.lora_rank < 0 or self.lora_alpha <= 0:
+            raise ValueError(f"lora_rank={self.lora_rank} must be >= 0 (0: off) and lora_alpha={self.lora_alpha} > 0")
         if self.agent.tools_path and self.rollout_tp > 1:
             raise ValueError(f"agent.tools_path with rollout_tp={self.rollout_tp}: the agent loop's turns differ per "
                              "rank, and a TP group generates together; use rollout_tp=1")
@@ -373,6 +383,11 @@ class Config:
             if wrong:
                 raise ValueError(f"old_log_probs='update' takes them from one optimizer step on the sampling weights: "
                                  f"{'; '.join(wrong)}; or use 'recompute' / 'rollout'")
+
+    @property
+    def lora(self) -> tuple[int, float, str] | None:
+        """The actor's adapters (rank, alpha, target modules), or None (full fine-tuning)."""
+        return (self.lora_rank, self.lora_alpha, self.lora_target_modules) if self.lora_rank else None
 
     @property
     def use_reference(self) -> bool:

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from comm import Dist, timer
 from core_algos import token_log_probs
-from sharding import cast_dtype, full_weights, weight_groups
+from sharding import Merged, cast_dtype, full_tensor, full_weights, weight_groups
 
 MB, GB = 1 << 20, 1 << 30
 CHECKSUM_CHUNK = 1 << 22  # bytes fingerprinted at a time: bounds the int64 temporaries to 64 MB
@@ -181,10 +181,17 @@ def probe_tokens(vocab_size: int, probe_len: int) -> torch.Tensor:
 
 def trainer_checksums(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
     """Checksums of the trainer's full weights in the rollout dtype, computed from the local shards and summed
-    across ranks (checksums add over shards), so no rank gathers anything. Collective under FSDP2."""
+    across ranks (checksums add over shards), so no rank gathers anything but LoRA's merged weights. Collective
+    under FSDP2."""
     names, sums, group = [], [], None
     for name, tensor in (entry for g in weight_groups(model) for entry in g):
-        local, start = tensor.detach().to(cast_dtype(tensor, dtype)), 0
+        if isinstance(tensor, Merged):  # LoRA: the merge needs the full factors, so this one is gathered
+            local, start = full_tensor(tensor, dtype), 0
+            if isinstance(tensor.base, DTensor):  # every rank holds it whole: one rank's checksum counts
+                group = tensor.base.device_mesh.get_group()
+                local = local if tensor.base.device_mesh.get_local_rank() == 0 else local[:0]
+        else:
+            local, start = tensor.detach().to(cast_dtype(tensor, dtype)), 0
         if isinstance(local, DTensor):
             group = local.device_mesh.get_group()
             local, start = local.to_local(), _shard_offset(local)

@@ -51,6 +51,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from comm import Dist, barrier
 from fileio import write_atomic
+from lora import add_adapters, export_adapter, freeze_base, is_adapter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -145,8 +146,16 @@ def placed(inside: torch.device | str, after: torch.device | str, models=(), opt
 # ---------------------------------------------------------------------------------------------------
 
 
-def _set_trainable(model: torch.nn.Module, trainable: bool, gradient_checkpointing: bool) -> torch.nn.Module:
+def adapted(model: torch.nn.Module, lora: tuple[int, float, str] | None) -> torch.nn.Module:
+    """The model with LoRA adapters (rank, alpha, targets) added, or as it is (None)."""
+    return add_adapters(model, *lora) if lora else model
+
+
+def _set_trainable(model: torch.nn.Module, trainable: bool, gradient_checkpointing: bool,
+                   lora: tuple | None = None) -> torch.nn.Module:
     model.requires_grad_(trainable)
+    if trainable and lora:
+        freeze_base(model)
     if trainable and gradient_checkpointing:  # HF applies it in train mode only
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train(trainable)
@@ -189,7 +198,8 @@ def compute_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = None, trainable: bool = True,
                        model_class=AutoModelForCausalLM, config: PreTrainedConfig | None = None,
-                       gradient_checkpointing: bool = False) -> torch.nn.Module:
+                       gradient_checkpointing: bool = False, lora: tuple[int, float, str] | None = None
+                       ) -> torch.nn.Module:
     """The HF model at model_path, FSDP2-sharded over dist.mesh["dp"] (plain on dist.device without a group).
 
     The master weights are fp32; FSDPConfig.param_dtype sets the compute dtype.
@@ -197,19 +207,21 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
     pick another head, e.g. a critic: AutoModelForTokenClassification with config.num_labels = 1; weights the
     folder lacks (the new head) are initialised on rank 0 and reach the other ranks with the rest.
     gradient_checkpointing: each decoder layer recomputes its activations in backward (HF's, non-reentrant).
+    lora (rank, alpha, target modules): LoRA adapters (lora.py), added before sharding; only they train.
     """
     cfg = cfg or FSDPConfig()
     config = config or AutoConfig.from_pretrained(model_path)
     if dist.mesh is None:
-        model = model_class.from_pretrained(model_path, config=config, dtype=torch.float32).to(dist.device)
+        model = adapted(model_class.from_pretrained(model_path, config=config, dtype=torch.float32), lora)
+        model.to(dist.device)
         compute_in(model, DTYPES[cfg.param_dtype])
-        return _set_trainable(model, trainable, gradient_checkpointing)
-    if dist.rank == 0:
-        model = model_class.from_pretrained(model_path, config=config, dtype=torch.float32)
+        return _set_trainable(model, trainable, gradient_checkpointing, lora)
+    if dist.rank == 0:  # the adapters' initial values come from rank 0 too
+        model = adapted(model_class.from_pretrained(model_path, config=config, dtype=torch.float32), lora)
         full_state = model.state_dict()  # keeps the full tensors alive past fully_shard, which swaps in shards
     else:
         with torch.device("meta"):  # no memory, no init: the weights come from rank 0
-            model = model_class.from_config(config, dtype=torch.float32)
+            model = adapted(model_class.from_config(config, dtype=torch.float32), lora)
         full_state = {}
     _shard(model, dist, cfg)  # the shards on the mesh's device, or (cpu_offload) in host memory
     if dist.rank != 0:  # shards where fully_shard would have put them; buffers, which FSDP leaves alone, on the device
@@ -222,7 +234,7 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
     # Rank 0 computed them in the model's own __init__, so copying its values works for any architecture.
     for buffer in model.buffers():
         tdist.broadcast(buffer, src=0)
-    return _set_trainable(model, trainable, gradient_checkpointing)
+    return _set_trainable(model, trainable, gradient_checkpointing, lora)
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
@@ -247,7 +259,31 @@ def cast_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
-def _full(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+@dataclass
+class Merged:
+    """A LoRA-adapted linear's weight as the engine computes with it, base + scale * B @ A (lora.py): the three
+    parameters (local tensors or DTensor shards), merged when gathered (full_tensor)."""
+    base: torch.Tensor  # [out, in]
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scale: float
+
+    shape = property(lambda self: self.base.shape)
+    dtype = property(lambda self: self.base.dtype)
+
+    def numel(self) -> int:
+        return self.base.numel()
+
+    def is_floating_point(self) -> bool:
+        return True
+
+
+def full_tensor(tensor: torch.Tensor | Merged, dtype: torch.dtype | None) -> torch.Tensor:
+    """The full tensor in dtype (None: its own) of a local tensor, a DTensor shard (gathered: collective) or a
+    Merged weight (its three parts gathered in the master dtype, merged, then cast)."""
+    if isinstance(tensor, Merged):
+        base, a, b = (full_tensor(t, None) for t in (tensor.base, tensor.a, tensor.b))
+        return torch.addmm(base, b, a, alpha=tensor.scale).to(cast_dtype(base, dtype))  # [out, in]
     tensor = tensor.detach().to(cast_dtype(tensor, dtype))  # before the gather: it moves rollout-dtype bytes
     if not isinstance(tensor, DTensor):
         return tensor
@@ -257,14 +293,14 @@ def _full(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def weight_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
-    """The model's weights (parameters + persistent buffers, HF names, a tied weight once), in state-dict order,
+    """The model's weights (engine_weights: parameters + persistent buffers, HF names, a tied weight once),
     as groups that never split a decoder layer: one group per layer (a _no_split_modules module), one per other
     tensor. vLLM fuses q/k/v and gate/up inside a layer, and its loader rebuilds a fused module from the weights
     of one load call only (the parts left out become garbage), so a layer must reach it whole.
     """
     layers = [name + "." for name, _ in decoder_layers(model)]
     seen, groups, current = set(), [], None
-    for name, tensor in model.state_dict(keep_vars=True).items():  # parameters + persistent buffers, in order
+    for name, tensor in engine_weights(model):
         if id(tensor) in seen:  # lm_head.weight is embed_tokens.weight in a tied model
             continue
         seen.add(id(tensor))
@@ -274,6 +310,23 @@ def weight_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.Tensor]]
         current = layer
         groups[-1].append((name, tensor))  # FSDP2 keeps the HF names
     return groups
+
+
+def engine_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor | Merged]]:
+    """The model's parameters and persistent buffers in state-dict order, under the names of the plain HF model: an
+    adapted linear (X.base_layer.weight, X.lora_A/B) is one Merged weight X.weight, its bias X.bias."""
+    state = model.state_dict(keep_vars=True)
+    out = []
+    for name, tensor in state.items():
+        if is_adapter(name):
+            continue
+        if name.endswith(".base_layer.weight"):
+            module = name[: -len(".base_layer.weight")]
+            scale = model.get_submodule(module).scaling["default"]
+            tensor = Merged(tensor, state[f"{module}.lora_A.default.weight"], state[f"{module}.lora_B.default.weight"],
+                            scale)
+        out.append((name.replace(".base_layer.", "."), tensor))
+    return out
 
 
 def weight_buckets(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None):
@@ -299,7 +352,7 @@ def full_weights(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype |
     dtype; shards are cast before the gather.
     """
     for bucket in weight_buckets(model, bucket_bytes, dtype):
-        yield [(n, _full(t, dtype)) for n, t in bucket]
+        yield [(n, full_tensor(t, dtype)) for n, t in bucket]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -307,14 +360,18 @@ def full_weights(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype |
 # ---------------------------------------------------------------------------------------------------
 
 
+TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)  # frozen weights: not in a checkpoint
+
+
 def _state(model, optimizer) -> dict:
-    """The DCP state of a model and its optimizer (None: the model only), keyed by parameter name (DTensor shards).
+    """The DCP state of a model and its optimizer (None: the model only), keyed by parameter name (DTensor shards);
+    with an optimizer, its trained parameters only (LoRA: the adapters, the base weights being the model folder's).
 
     get_state_dict creates AdamW's state (a zero-lr step) when none exists yet, so a load has a target to fill.
     """
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED)
     return {"model": model_state, "optim": optim_state}
 
 
@@ -389,19 +446,28 @@ def load_sharded(path: str, model, optimizer, dist: Dist) -> dict:
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=TRAINED)
     own = os.path.join(path, f"extra_rank{dist.rank}.pt")
     # our own file; weights_only=False because extra may hold numpy RNG states
     return torch.load(own if os.path.isfile(own) else os.path.join(path, "extra_rank0.pt"), weights_only=False)
 
 
 def export_hf(model, tokenizer, out_dir: str, dist: Dist) -> None:
-    """Gather the full weights to rank 0's CPU memory and save_pretrained them (and the tokenizer) to out_dir."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Gather the full weights to rank 0's CPU memory and save_pretrained them (and the tokenizer) to out_dir. With
+    LoRA: the merged weights under the plain model's names, and the adapter alone in out_dir/adapter (peft's
+    layout). Collective (the gathers)."""
+    adapters = {n: full_tensor(p, None).cpu() for n, p in model.named_parameters() if is_adapter(n)}
+    if adapters:
+        state = {name: full_tensor(t, None).cpu() for name, t in engine_weights(model)}
+    else:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.is_main:
         tmp = out_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, state_dict=state)
+        if adapters:
+            export_adapter(model, adapters, os.path.join(tmp, "adapter"))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)

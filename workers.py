@@ -32,14 +32,15 @@ import torch
 from tensordict import TensorDict
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+from agent import AgentLoop
 from batching import micro_batches, pack, packing_works, unpack
 from comm import Dist, broadcast, reduce_metrics, side_group, timer
 from config import Config
 from core_algos import agg_loss, head_log_probs, kl_penalty, lr_factor, policy_loss, tis_weights, value_loss
-from agent import AgentLoop
 from data import load_tokenizer
 from hybrid_engine import (HybridEngine, checksum, probe_tokens, raise_on_sync_errors, sync_errors, trainer_checksums,
                            trainer_probe)
+from lora import adapters_off
 from rollout import HFRollout, make_rollout
 from sharding import (DTYPES, cast_dtype, clip_grad_norm, export_hf, full_weights, load_sharded, load_sharded_model,
                       move_model, placed, save_sharded, weight_buckets)
@@ -160,7 +161,8 @@ class Worker:
 
     def __init__(self, cfg: Config, dist: Dist, model: torch.nn.Module, tokenizer, lr: float):
         self.cfg, self.dist, self.model, self.tokenizer, self.lr = cfg, dist, model, tokenizer, lr
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        self.opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=cfg.weight_decay)
         # what waits in host memory between this role's phases (Config.offload)
         self.offload_params = getattr(cfg.offload, f"{self.role}_params")
         self.offload_optimizer = getattr(cfg.offload, f"{self.role}_optimizer")
@@ -293,9 +295,12 @@ class ActorWorker(Worker):
 
     def __init__(self, cfg: Config, model_path: str, dist: Dist):
         tokenizer = load_tokenizer(model_path)
-        model = load_sharded_model(model_path, dist, cfg.fsdp, gradient_checkpointing=cfg.gradient_checkpointing)
+        model = load_sharded_model(model_path, dist, cfg.fsdp, gradient_checkpointing=cfg.gradient_checkpointing,
+                                   lora=cfg.lora)
         super().__init__(cfg, dist, model, tokenizer, cfg.lr)  # fp32 masters
-        self.ref = load_sharded_model(model_path, dist, cfg.fsdp, trainable=False) if cfg.use_reference else None
+        # with LoRA the reference is the policy with its adapters off (ref_log_probs): no second copy
+        self.ref = load_sharded_model(model_path, dist, cfg.fsdp, trainable=False) \
+            if cfg.use_reference and not cfg.lora else None
         if self.ref is not None and cfg.offload.ref_params:
             move_model(self.ref, "cpu")
         self.sync_group = None  # rank 0's weight-sync group with a rollout pool (open_weight_sync)
@@ -392,8 +397,11 @@ class ActorWorker(Worker):
 
     @torch.no_grad()
     def ref_log_probs(self, batch: TensorDict) -> torch.Tensor:
-        """Sampled-token log-probs [B, R] under the frozen reference (use_kl_loss / use_kl_in_reward). Collectives:
-        as log_probs."""
+        """Sampled-token log-probs [B, R] under the frozen reference (use_kl_loss / use_kl_in_reward; with LoRA the
+        base model). Collectives: as log_probs."""
+        if self.cfg.lora:  # the base model: the policy with its adapters off
+            with self.resident(), adapters_off(self.model):
+                return self._log_probs(self.model, batch)
         if self.ref is None:
             raise RuntimeError("ref_log_probs: no reference policy was loaded (use_kl_loss and use_kl_in_reward off)")
         with placed(self.dist.device, "cpu", models=[self.ref] if self.cfg.offload.ref_params else []):
