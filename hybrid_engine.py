@@ -97,7 +97,12 @@ class HybridEngine:
         self.bucket_bytes = max(1, int(cfg.bucket_mb * MB))
         self.on_gpu = dist.device.type == "cuda"
         self.probe = probe_tokens(model.config.vocab_size, cfg.probe_len)  # [N, T]
-        self.names = sorted(name for group in weight_groups(model) for name, _ in group)  # what every sync hands over
+        self.names = sorted(name for group in weight_groups(model) for name, _ in group)  # what a sync hands over
+        # LoRA: the groups holding adapted weights; once the engine has the base it keeps (no sleep: CPU), only these
+        # change, so later syncs send only them
+        self.adapted = sorted(name for group in weight_groups(model) if any(isinstance(t, Merged) for _, t in group)
+                              for name, _ in group)
+        self.synced, self.sent = False, set()
         rollout.sleep()  # train mode is the resting state: the engine wakes in rollout mode only
 
     @contextmanager
@@ -120,8 +125,9 @@ class HybridEngine:
             peak = peak_memory(self.dist.device)
             metrics["perf/max_memory_allocated_gb" if self.on_gpu else "perf/max_memory_rss_gb"] = peak / GB
             metrics["reshard/max_memory_extra_gb"] = (peak - at_entry) / GB
-            if self.cfg.verify_sync:
-                metrics["reshard/probe_logprob_diff_max"] = self._verify(*expected, received)
+            if self.cfg.verify_sync:  # the checksums of what this sync sent (LoRA: the frozen rest was checked once)
+                checksums = {name: value for name, value in expected[0].items() if name in self.sent}
+                metrics["reshard/probe_logprob_diff_max"] = self._verify(checksums, expected[1], received)
             yield
         finally:  # also when the sync or its verification failed: the worker goes back to train mode
             self.rollout.sleep()
@@ -136,16 +142,19 @@ class HybridEngine:
         warn about the modules each bucket leaves out)."""
         nbytes = buckets = 0
         names = []
-        for bucket in full_weights(self.model, self.bucket_bytes, self.dtype):  # collective: all ranks iterate
+        adapted_only = bool(self.adapted) and self.synced and self.rollout.keeps_weights
+        expected = self.adapted if adapted_only else self.names
+        for bucket in full_weights(self.model, self.bucket_bytes, self.dtype, adapted_only):  # collective
             self.rollout.update_weights(self._tap(bucket, received))
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             names += [name for name, _ in bucket]
             buckets += 1
             del bucket  # else the loop variable keeps it alive while the next bucket is gathered
-        if sorted(names) != self.names:
-            missing = sorted(set(self.names) - set(names))
-            wrong = sorted(n for n in set(names) if names.count(n) > 1 or n not in self.names)
+        if sorted(names) != expected:
+            missing = sorted(set(expected) - set(names))
+            wrong = sorted(n for n in set(names) if names.count(n) > 1 or n not in expected)
             raise RuntimeError(f"weight sync: the buckets left out {missing} and repeated or added {wrong}")
+        self.synced, self.sent = True, set(expected)
         return nbytes, buckets
 
     def _tap(self, bucket: list[tuple[str, torch.Tensor]], received: dict):

@@ -26,7 +26,9 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: float, targets: str) 
 
     modules = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, lora_dropout=0.0)
-    model = peft.inject_adapter_in_model(config, model)
+    with torch.random.fork_rng(devices=[]):  # A's random init: the same in every run, whatever ran before it
+        torch.manual_seed(0)
+        model = peft.inject_adapter_in_model(config, model)
     if not any(is_adapter(name) for name, _ in model.named_parameters()):
         raise ValueError(f"lora_target_modules={targets!r}: no module of the model matches")
     model.peft_config = {ADAPTER: config}  # what export_adapter writes (peft's adapter_config.json)

@@ -243,6 +243,12 @@ class VLLMRollout:
             return
         self.llm.wake_up(tags=tags)
 
+    @property
+    def keeps_weights(self) -> bool:
+        """Whether the engine holds the last sync's weights at the next one (no sleep mode on CPU; level 2 on GPU
+        drops them): then frozen weights need not travel again."""
+        return self.on_cpu
+
     def _skip_sleep(self) -> bool:
         if self.on_cpu and not self._warned_sleep:
             logger.warning("vLLM sleep mode is not supported on CPU: sleep() and wake_up() do nothing")
@@ -349,6 +355,8 @@ class HFRollout:
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits  # [B, T, V]
         logp = token_log_probs(logits[:, :-1], ids[:, 1:])[0]  # [B, T - 1]
         return [row[len(row) - len(s) + 1:] for s, row in zip(sequences, logp.tolist())]
+
+    keeps_weights = True  # its weights are the trainer's own, or a copy of its own that syncs overwrite
 
     def sleep(self) -> None:
         """No-op: the model belongs to the trainer."""

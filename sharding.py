@@ -329,11 +329,15 @@ def engine_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor | Mer
     return out
 
 
-def weight_buckets(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None):
+def weight_buckets(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None,
+                   adapted_only: bool = False):
     """The model's weights as buckets of (HF name, local tensor or DTensor): whole weight_groups, at most
-    bucket_bytes in all in dtype (a group larger than bucket_bytes comes alone, whole). No communication."""
+    bucket_bytes in all in dtype (a group larger than bucket_bytes comes alone, whole). adapted_only: the groups
+    that hold a LoRA-adapted weight only (the rest is frozen). No communication."""
     buckets, size = [[]], 0
     for group in weight_groups(model):
+        if adapted_only and not any(isinstance(t, Merged) for _, t in group):
+            continue
         # the full size: DTensor.numel() is global
         nbytes = sum(t.numel() * cast_dtype(t, dtype).itemsize for _, t in group)
         if buckets[-1] and size + nbytes > bucket_bytes:
@@ -344,14 +348,15 @@ def weight_buckets(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype
     return [b for b in buckets if b]
 
 
-def full_weights(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None):
+def full_weights(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None,
+                 adapted_only: bool = False):
     """Yield lists of (HF name, full tensor in dtype): weight_buckets, each gathered when it is yielded.
 
     Collective: every rank iterates, every rank gets the full tensors. This generator keeps no reference to a
     bucket, so once the caller drops it no second full copy of the model exists. dtype None keeps the master
     dtype; shards are cast before the gather.
     """
-    for bucket in weight_buckets(model, bucket_bytes, dtype):
+    for bucket in weight_buckets(model, bucket_bytes, dtype, adapted_only):
         yield [(n, full_tensor(t, dtype)) for n, t in bucket]
 
 

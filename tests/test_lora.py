@@ -18,8 +18,12 @@ from hybrid_engine import HybridConfig
 from lora import adapters_off, is_adapter
 from test_ppo import make_batch as ppo_batch
 from test_spmd import args, launch, records
-from test_ppo import model_path  # noqa: F401  (a fixture)
 from workers import ActorWorker, response_log_probs
+
+
+@pytest.fixture
+def model_path(tiny_rl_setup) -> str:
+    return tiny_rl_setup["model_path"]  # vLLM on CPU needs a head size of 32 or more: this one has 32
 
 
 def lora_config(path: str, **overrides):
@@ -39,7 +43,7 @@ def adapters(worker) -> dict:
     return {n: p.detach().clone() for n, p in worker.model.named_parameters() if is_adapter(n)}
 
 
-def test_only_the_adapters_train_and_the_reference_is_the_base_model(model_path):  # noqa: F811
+def test_only_the_adapters_train_and_the_reference_is_the_base_model(model_path):
     worker = ActorWorker(lora_config(model_path), model_path, init_distributed())
     assert worker.ref is None  # no second copy of the weights
     trainable = [n for n, p in worker.model.named_parameters() if p.requires_grad]
@@ -64,13 +68,14 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_model(model_path)
     torch.testing.assert_close(worker.log_probs(batch)[mask], moved[mask])
 
 
-def test_the_engine_generates_with_the_current_adapter(tiny_rl_setup):
-    """vLLM after each sync computes the trainer's merged weights (checksums and probe); an engine left with the
-    previous step's adapter, or the base model, fails the verification."""
-    path = tiny_rl_setup["model_path"]  # vLLM on CPU needs a head size of 32 or more
-    cfg = lora_config(path, rollout_backend="vllm", hybrid=HybridConfig(verify_sync=True))
-    worker = ActorWorker(cfg, path, init_distributed())
+def test_the_engine_generates_with_the_current_adapter(model_path):
+    """vLLM after each sync computes the trainer's merged weights (checksums and probe; the frozen weights travel
+    once); an engine left with the previous step's adapter, or the base model, fails the verification."""
+    cfg = lora_config(model_path, rollout_backend="vllm", hybrid=HybridConfig(verify_sync=True))
+    worker = ActorWorker(cfg, model_path, init_distributed())
     try:
+        sent = [worker.generate([[5, 6, 7]], seeds=[0])[1]["reshard/bytes"] for _ in range(2)]
+        assert sent[1] < sent[0]  # the engine keeps the base (CPU: no sleep): later syncs send the adapted layers
         for _ in range(2):
             batch = make_batch(worker)  # generate: a verified sync
             worker.update(batch)
@@ -87,7 +92,7 @@ def test_the_engine_generates_with_the_current_adapter(tiny_rl_setup):
         worker.close()
 
 
-def test_checkpoint_holds_the_adapter_and_resumes_exactly(model_path, tmp_path):  # noqa: F811
+def test_checkpoint_holds_the_adapter_and_resumes_exactly(model_path, tmp_path):
     cfg = lora_config(model_path)
     a = ActorWorker(cfg, model_path, init_distributed())
     a.update(make_batch(a, seed=1))
@@ -107,7 +112,7 @@ def test_checkpoint_holds_the_adapter_and_resumes_exactly(model_path, tmp_path):
     assert all(torch.equal(p, adapters(b)[n]) for n, p in adapters(a).items())  # the optimizer state came back too
 
 
-def test_export_is_a_merged_model_and_a_peft_adapter(model_path, tmp_path):  # noqa: F811
+def test_export_is_a_merged_model_and_a_peft_adapter(model_path, tmp_path):
     from peft import PeftModel
 
     worker = ActorWorker(lora_config(model_path), model_path, init_distributed())
@@ -148,3 +153,19 @@ def test_two_ranks_match_one_process_and_resume_in_one(tiny_rl_setup, tmp_path):
     launch(args(tiny_rl_setup, two, total_steps=3) + flags, tmp_path / "resume.log")
     assert "resumed from" in open(tmp_path / "resume.log").read()
     assert [r["step"] for r in records(two)] == [0, 1, 2, 3]
+
+
+def test_token_budget_packed_update_equals_the_padded_one(model_path):
+    """Dynamic batching with remove-padding on a LoRA actor: the losses and the updated policy of one padded pass."""
+    results = []
+    for overrides in (dict(ppo_micro_batch_size=16),
+                      dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=40, use_remove_padding=True)):
+        worker = ActorWorker(lora_config(model_path, **overrides), model_path, init_distributed())
+        batch = make_batch(worker)
+        metrics = worker.update(batch)
+        results.append((metrics, worker.log_probs(batch), batch["response_mask"].bool()))
+    (m_whole, logp_whole, mask), (m_dyn, logp_dyn, _) = results
+    assert m_dyn["actor/num_micro_batches"] > 1 == m_whole["actor/num_micro_batches"]
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert m_dyn[k] == pytest.approx(m_whole[k], rel=1e-4, abs=1e-6), k
+    torch.testing.assert_close(logp_dyn[mask], logp_whole[mask], atol=1e-4, rtol=0)

@@ -3,7 +3,8 @@
     python -m pytest tests/test_ray.py -q
 
 - GRPO with 2 colocated workers gives torchrun's per-step rewards, losses and accuracies and its final weights, on
-  multi-turn rows with a tool (agent.py); so does PPO with the critic in a pool of its own (split placement).
+  multi-turn rows with a tool (agent.py); so does PPO with the critic in a pool of its own (split placement) and
+  a LoRA actor.
 - A worker that stops answering during generation is replaced: the run resumes from the latest checkpoint and ends
   with the uninterrupted run's metrics and weights; ray/restarts counts the restart.
 - A worker that keeps dying stops the run after ray.max_restarts with an error that says so.
@@ -114,11 +115,13 @@ def test_a_worker_that_keeps_dying_stops_the_run(tiny_rl_setup, tmp_path):
 
 
 def test_ray_ppo_split_equals_torchrun(tiny_rl_setup, tmp_path):
-    """PPO with the critic in a pool and process group of its own (4 workers of half a CPU)."""
+    """PPO with the critic in a pool and process group of its own (4 workers of half a CPU), the actor a LoRA
+    adapter (its merged weights synced, verified, and exported)."""
     torchrun, on_ray = tmp_path / "torchrun", tmp_path / "ray"
-    launch(args(tiny_rl_setup, torchrun, total_steps=2, critic_warmup=1), tmp_path / "log", ranks=2, script="ppo.py")
+    launch(args(tiny_rl_setup, torchrun, total_steps=2, critic_warmup=1, lora_rank=4, lr=2e-2), tmp_path / "log",
+           ranks=2, script="ppo.py")
     cfg = config(tiny_rl_setup, on_ray, adv_estimator="gae", total_steps=2, critic_warmup=1, ckpt_every=0,
-                 hybrid=replace(Config().hybrid, verify_sync=True))
+                 lora_rank=4, lr=2e-2, hybrid=replace(Config().hybrid, verify_sync=True))
     train(RayTrainerConfig(cfg, RayConfig(workers=2, placement="split", cpus_per_worker=0.5)))
     assert_same_run(records(torchrun), records(on_ray), torchrun, on_ray, critic=True)
     assert "timing_s/values" in records(on_ray)[1] and "critic/vf_loss" in records(on_ray)[2]
