@@ -1,5 +1,6 @@
 """LoRA (lora.py): only the adapters train, the reference is the base model, the engine computes with the current
-adapter (merged) every step, checkpoints resume, and the export loads in transformers and peft:
+adapter (merged) every step, checkpoints resume, and the export loads in transformers and peft (under torchrun:
+test_spmd.py's two_ranks runs; on Ray with a critic: test_ray.py's PPO run):
 
     python -m pytest tests/test_lora.py -q
 """
@@ -17,7 +18,6 @@ from conftest import toy_config
 from hybrid_engine import HybridConfig
 from lora import adapters_off, is_adapter
 from test_ppo import make_batch as ppo_batch
-from test_spmd import args, launch, records
 from workers import ActorWorker, response_log_probs
 
 
@@ -135,24 +135,6 @@ def test_export_is_a_merged_model_and_a_peft_adapter(model_path, tmp_path):
 def test_lora_fields_are_checked():
     with pytest.raises(ValueError, match="lora_rank=-1 must be >= 0"):
         replace(toy_config(), lora_rank=-1).__post_init__()
-
-
-def test_two_ranks_match_one_process_and_resume_in_one(tiny_rl_setup, tmp_path):
-    """FSDP2 on 2 ranks with adapters (verified syncs of the merged weights, the KL to the adapters-off base): the
-    one-process run's metrics and first samples; its checkpoint (the adapter) resumes in one process."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    flags = ["--lora-rank=4", "--lora-alpha=8", "--use-kl-loss", "--lr=1e-2"]
-    launch(args(tiny_rl_setup, one, total_steps=2) + flags, tmp_path / "one.log")
-    launch(args(tiny_rl_setup, two, total_steps=2, ckpt_every=2) + flags, tmp_path / "two.log", ranks=2)
-    a, b = records(one), records(two)
-    assert [r.keys() for r in a] == [r.keys() for r in b] and b[2]["actor/kl_loss"] > 0
-    for key in ("critic/score/mean", "response_length/mean"):  # step 1: the base model's samples, per-prompt seeds
-        assert a[1][key] == pytest.approx(b[1][key], abs=1e-6), key
-    assert all(r["reshard/probe_logprob_diff_max"] < 1e-4 for r in b[1:] if "reshard/probe_logprob_diff_max" in r)
-    assert os.path.isfile(two / "final" / "adapter" / "adapter_model.safetensors")
-    launch(args(tiny_rl_setup, two, total_steps=3) + flags, tmp_path / "resume.log")
-    assert "resumed from" in open(tmp_path / "resume.log").read()
-    assert [r["step"] for r in records(two)] == [0, 1, 2, 3]
 
 
 def test_token_budget_packed_update_equals_the_padded_one(model_path):

@@ -2,10 +2,11 @@
 
     python -m pytest tests/test_spmd.py -q
 
-- 2 ranks log the same metrics as 1 process, and sample the same first step (seeds follow the prompt, not the rank).
+- 2 ranks log the same metrics as 1 process, and sample the same first step (seeds follow the prompt, not the rank),
+  training a LoRA adapter.
 - A run killed after a checkpoint and resumed with resume=auto replays the uninterrupted run: same per-step
   rewards, same final parameters.
-- A checkpoint written by 2 ranks resumes in 1 process.
+- A checkpoint written by 2 ranks (LoRA: the adapter and its optimizer state) resumes in 1 process.
 - When a rank dies (os._exit) or hangs, the other exits with an error that names it, within dist_timeout_s, and the
   same command resumes from the latest checkpoint (tests/dist_rank_fault.py injects the fault).
 - Dynamic sampling fills 1 process and 2 ranks alike with informative groups.
@@ -70,25 +71,30 @@ def final_weights(out_dir) -> dict:
     return load_file(os.path.join(out_dir, "final", "model.safetensors"))
 
 
+LORA = ["--lora-rank=4", "--lora-alpha=8", "--use-kl-loss"]  # the two_ranks runs train an adapter (lora.py)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tiny_rl_setup, tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
-    launch(args(tiny_rl_setup, out, total_steps=2, ckpt_every=2), out / "log", ranks=2)
+    launch(args(tiny_rl_setup, out, total_steps=2, ckpt_every=2, lr=1e-2) + LORA, out / "log", ranks=2)
     return out
 
 
 def test_two_ranks_log_what_one_process_logs(tiny_rl_setup, two_ranks, tmp_path):
-    launch(args(tiny_rl_setup, tmp_path, total_steps=2), tmp_path / "log")
+    """LoRA on FSDP2 (the merged weights' syncs verified, the KL to the adapters-off base) as in one process."""
+    launch(args(tiny_rl_setup, tmp_path, total_steps=2, lr=1e-2) + LORA, tmp_path / "log")
     one, two = records(tmp_path), records(two_ranks)
-    assert [r.keys() for r in one] == [r.keys() for r in two]
+    assert [r.keys() for r in one] == [r.keys() for r in two] and two[2]["actor/kl_loss"] > 0
     assert one[0]["val/accuracy"] == two[0]["val/accuracy"]  # the same initial weights, greedy
     # step 1 samples with the initial weights and per-prompt seeds: the same responses on 1 or 2 ranks
     for key in ("critic/score/mean", "response_length/mean"):
         assert one[1][key] == pytest.approx(two[1][key], abs=1e-6), key
+    assert all(os.path.isfile(d / "final" / "adapter" / "adapter_model.safetensors") for d in (tmp_path, two_ranks))
 
 
 def test_two_rank_checkpoint_resumes_in_one_process(tiny_rl_setup, two_ranks):
-    launch(args(tiny_rl_setup, two_ranks, total_steps=3, ckpt_every=2), two_ranks / "log_resume")
+    launch(args(tiny_rl_setup, two_ranks, total_steps=3, ckpt_every=2, lr=1e-2) + LORA, two_ranks / "log_resume")
     assert "resumed from" in open(two_ranks / "log_resume").read() and "step_2" in open(two_ranks / "log_resume").read()
     assert [r["step"] for r in records(two_ranks)] == [0, 1, 2, 3]
 
