@@ -430,9 +430,20 @@ def warm_start_and_task_files(cfg: Config, dist: Dist) -> tuple[str, str, str]:
     return broadcast_object(paths, dist)
 
 
-def make_run(cfg: Config, model_path: str, train_files: str, val_files: str, actor: ActorWorker,
-             critic: CriticWorker | None, ctl: SPMD, pool=None) -> Run:
-    """The Run around built workers: the policy's tokenizer, the reward function, the prompts (checked)."""
+@dataclass
+class Task:
+    """A run's data, loaded and checked before any model or engine starts: the policy's tokenizer, the reward
+    function, the train prompts and the held-out prompts (all of them; each controller takes its share)."""
+    tokenizer: object
+    reward_fn: object
+    train_ds: RLDataset
+    val_rows: list[dict]
+    num_truncated: int
+    hidden_size: int
+
+
+def load_task(cfg: Config, model_path: str, train_files: str, val_files: str, dp_size: int) -> Task:
+    """The Task of a run: a malformed row, a prompt over budget or a missing reward file stops it here, in seconds."""
     tokenizer = load_tokenizer(model_path)
     train_ds = RLDataset(split_files(train_files), tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
     val_ds = RLDataset(split_files(val_files), tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
@@ -440,12 +451,17 @@ def make_run(cfg: Config, model_path: str, train_files: str, val_files: str, act
     if len(train_ds) < cfg.train_batch_size:
         raise ValueError(f"train_files={train_files} hold {len(train_ds)} prompts < "
                          f"train_batch_size={cfg.train_batch_size}")
-    if len(val_rows) < ctl.dp_size:
+    if len(val_rows) < dp_size:
         raise ValueError(f"val_files={val_files}: {len(val_rows)} prompts (val_size={cfg.val_size}) for "
-                         f"{ctl.dp_size} ranks")
-    return Run(cfg, actor, critic, ctl, tokenizer, load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name), train_ds,
-               val_rows[ctl.dp_rank :: ctl.dp_size], train_ds.num_truncated + val_ds.num_truncated,
-               AutoConfig.from_pretrained(model_path).hidden_size, pool)
+                         f"{dp_size} ranks")
+    return Task(tokenizer, load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name), train_ds, val_rows,
+                train_ds.num_truncated + val_ds.num_truncated, AutoConfig.from_pretrained(model_path).hidden_size)
+
+
+def make_run(cfg: Config, task: Task, actor: ActorWorker, critic: CriticWorker | None, ctl: SPMD, pool=None) -> Run:
+    """The Run around built workers and a loaded Task (this controller's share of the held-out prompts)."""
+    return Run(cfg, actor, critic, ctl, task.tokenizer, task.reward_fn, task.train_ds,
+               task.val_rows[ctl.dp_rank :: ctl.dp_size], task.num_truncated, task.hidden_size, pool)
 
 
 def save_checkpoint(run: Run, step: int, state: dict) -> None:
@@ -598,9 +614,10 @@ def train(cfg: Config) -> list[dict]:
     os.makedirs(cfg.out_dir, exist_ok=True)
     with watch_ranks(dist):  # another rank's death or hang ends this rank with an error that names it
         model_path, train_files, val_files = warm_start_and_task_files(cfg, dist)
+        task = load_task(cfg, model_path, train_files, val_files, dist.dp_size)  # bad data: named before the models
         actor = ActorWorker(cfg, model_path, dist)
         critic = CriticWorker(cfg, cfg.critic_model_path or model_path, dist) if cfg.adv_estimator == "gae" else None
-        records = loop(make_run(cfg, model_path, train_files, val_files, actor, critic, SPMD(dist)))
+        records = loop(make_run(cfg, task, actor, critic, SPMD(dist)))
         barrier(dist)  # the last collective: closing the engine destroys the default process group (vLLM's cleanup)
     actor.close()
     shutdown(dist)

@@ -54,7 +54,7 @@ from batching import balance_whole
 from comm import barrier, combine_metrics, init_distributed, shutdown, timer
 from config import Config, with_task_values
 from data import load_reward_fn, load_tokenizer
-from ppo import SUM_KEYS, check_out_dir, loop, make_run, score, warm_start_and_task_files
+from ppo import SUM_KEYS, check_out_dir, load_task, loop, make_run, score, warm_start_and_task_files
 from rollout import RolloutOutput
 from workers import ActorWorker, CriticWorker, RolloutWorker, pad_batch
 
@@ -655,6 +655,7 @@ def train(rc_all: RayTrainerConfig) -> list[dict]:
         ray.init(address=rc.address, runtime_env={"env_vars": env}, include_dashboard=False,
                  **({} if rc.address else {"num_cpus": max(os.cpu_count() or 1, 2)}))
     model_path, train_files, val_files = warm_start_and_task_files(cfg, init_distributed())  # the driver: no group
+    task = load_task(cfg, model_path, train_files, val_files, 1)  # bad data: named before any worker starts
     restarts = 0
     while True:
         driver, groups, pool = Driver(rc.workers, restarts), None, None
@@ -665,8 +666,7 @@ def train(rc_all: RayTrainerConfig) -> list[dict]:
             if cfg.async_.rollout_workers:
                 split = groups.critic.hosts if groups.critic and groups.critic.hosts is not groups.actor.hosts else []
                 pool = RolloutPool(cfg, rc, model_path, groups.actor, driver, split)
-            records = loop(make_run(cfg, model_path, train_files, val_files, groups.actor, groups.critic, driver,
-                                    pool))
+            records = loop(make_run(cfg, task, groups.actor, groups.critic, driver, pool))
             if pool:
                 pool.stop(clean=True)
             stop_groups(groups, clean=True)

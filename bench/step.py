@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from comm import init_distributed  # noqa: E402
 from config import Config  # noqa: E402
-from ppo import SPMD, make_run, prompt_indices, rl_step, warm_start_and_task_files  # noqa: E402
+from ppo import SPMD, load_task, make_run, prompt_indices, rl_step, warm_start_and_task_files  # noqa: E402
 from sft import SFTConfig, build_tiny_qwen2  # noqa: E402
 from sharding import DTYPES  # noqa: E402
 from workers import ActorWorker  # noqa: E402
@@ -152,7 +152,8 @@ def measure(size: str, dtype: str, bench: BenchConfig) -> dict:
     for mode in ("recompute", "update" if one_step else "rollout"):
         mode_cfg = replace(cfg, old_log_probs=mode, model_path=model_path)
         actor = ActorWorker(mode_cfg, model_path, dist)
-        run = make_run(mode_cfg, model_path, train_files, val_files, actor, None, SPMD(dist))
+        task = load_task(mode_cfg, model_path, train_files, val_files, 1)
+        run = make_run(mode_cfg, task, actor, None, SPMD(dist))
         out["params"] = sum(p.numel() for p in actor.model.parameters())
         times, tokens = {}, {}
         for step in range(1, bench.steps + 2):

@@ -165,17 +165,32 @@ def load_reward_fn(path: str | None, name: str = "compute_score"):
 
 
 def score_responses(reward_fn, rows: list[dict], texts: list[str]) -> list[float]:
-    """The reward of each decoded response texts[b] to its prompt row rows[b] (an RLDataset item), checked."""
-    return [checked_score(reward_fn(r["data_source"], t, r["ground_truth"], r["extra_info"]), reward_fn, r)
-            for r, t in zip(rows, texts)]
+    """The reward of each decoded response texts[b] to its prompt row rows[b] (an RLDataset item), checked; an error
+    the function raises is re-raised naming the function, the data_source, the prompt's file and row."""
+    scores = []
+    for row, text in zip(rows, texts):
+        try:
+            value = reward_fn(row["data_source"], text, row["ground_truth"], row["extra_info"])
+        except Exception as e:
+            raise RuntimeError(f"{reward_site(reward_fn, row)} raised {type(e).__name__}: {e} (the response: "
+                               f"{text!r:.200})") from e
+        scores.append(checked_score(value, reward_fn, row))
+    return scores
+
+
+def reward_site(reward_fn, row: dict) -> str:
+    """'reward function NAME (FILE) on data_source ... (prompt file, row N)': where a reward came from."""
+    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
+    code = getattr(reward_fn, "__code__", None)
+    origin = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
+    return f"reward function {name}{origin} on data_source {row['data_source']!r} ({row.get('where', 'row ?')})"
 
 
 def checked_score(value, reward_fn, row: dict) -> float:
     """A reward function's answer as a float, or an error naming the function, the data_source, the prompt's file
     and row, and the value. A dict is read at "score" (verl's reward functions may return {"score": x, ...});
     a non-numeric or non-finite value stops the run before it trains on it."""
-    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
-    where = f"reward function {name} on data_source {row['data_source']!r} ({row.get('where', 'row ?')})"
+    where = reward_site(reward_fn, row)
     if isinstance(value, dict):
         if "score" not in value:
             raise TypeError(f"{where} returned a dict without a 'score' key: {value!r:.200} (return a float, "

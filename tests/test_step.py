@@ -18,7 +18,7 @@ from conftest import toy_config
 from config import BUILTIN_TASK, Config, with_task_values
 from core_algos import last_token
 from data import checked_score, load_tokenizer
-from ppo import SPMD, check_out_dir, make_run, prompt_indices, rl_step, step_warnings, train
+from ppo import SPMD, check_out_dir, load_task, make_run, prompt_indices, rl_step, step_warnings, train
 from rollout import sample_seed
 from sharding import find_latest, prune_checkpoints
 from workers import ActorWorker
@@ -98,6 +98,7 @@ def test_lengths_beyond_the_models_positions_are_named(tiny_rl_setup):
     ("return float('nan')", ValueError, "returned nan: a reward must be a finite number"),
     ("return 'correct'", TypeError, "returned 'correct' of type str, not a number"),
     ("return {'acc': 1.0}", TypeError, "returned a dict without a 'score' key"),
+    ("raise ValueError('boom')", RuntimeError, "raised ValueError: boom"),  # not a bare traceback
 ])
 def test_a_bad_reward_stops_the_run_naming_function_source_and_row(tiny_rl_setup, tmp_path, body, error, message):
     """The first scores (the step-0 evaluation) already stop the run, before any update or checkpoint."""
@@ -106,7 +107,8 @@ def test_a_bad_reward_stops_the_run_naming_function_source_and_row(tiny_rl_setup
     cfg = toy_config(**{**tiny_rl_setup, "reward_fn_path": str(tmp_path / "bad.py")}, reward_fn_name="judge",
                      rollout_backend="hf", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=2,
                      max_response_length=4, total_steps=1, out_dir=str(tmp_path / "out"))
-    with pytest.raises(error, match=rf"reward function judge on data_source 'arith' \(.*val.parquet, row 0\) {message}"):
+    with pytest.raises(error, match=rf"reward function judge \(.*bad.py:1\) on data_source 'arith' "
+                                    rf"\(.*val.parquet, row 0\) {message}"):
         train(cfg)
     assert not (tmp_path / "out" / "final").exists()
 
@@ -135,7 +137,8 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tiny_rl_setup,
                      max_response_length=6, dynamic_sampling=True, max_gen_rounds=12, out_dir=str(tmp_path / "out"))
     dist = init_distributed()
     actor = ActorWorker(cfg, cfg.model_path, dist)
-    run = make_run(cfg, cfg.model_path, cfg.train_files, cfg.val_files, actor, None, SPMD(dist))
+    task = load_task(cfg, cfg.model_path, cfg.train_files, cfg.val_files, 1)
+    run = make_run(cfg, task, actor, None, SPMD(dist))
     rows = [run.train_ds[i] for i in prompt_indices(1, cfg, len(run.train_ds))]
     metrics, batch, _ = rl_step(1, rows, run, 0.0)
     scores = batch["scores"].view(-1, cfg.rollout_n)  # [groups, n]
@@ -145,8 +148,7 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tiny_rl_setup,
     assert metrics["dynamic/kept_groups"] == 8 and metrics["dynamic/filled_groups"] == 0
     assert metrics["dynamic/rounds"] >= 2 and metrics["dynamic/dropped_groups"] >= 8 - 8 // 3
     # the step replays: the same rounds, prompts and samples
-    again = rl_step(1, rows, make_run(cfg, cfg.model_path, cfg.train_files, cfg.val_files,
-                                      ActorWorker(cfg, cfg.model_path, dist), None, SPMD(dist)), 0.0)[1]
+    again = rl_step(1, rows, make_run(cfg, task, ActorWorker(cfg, cfg.model_path, dist), None, SPMD(dist)), 0.0)[1]
     assert again["index"].tolist() == batch["index"].tolist() and (again["responses"] == batch["responses"]).all()
 
 
@@ -158,8 +160,8 @@ def test_kl_in_reward_with_the_engines_old_log_probs(tiny_rl_setup, tmp_path):
                      ppo_mini_batch_size=4, rollout_n=2, max_response_length=6, use_kl_in_reward=True,
                      old_log_probs="rollout", kl_coef=0.5, out_dir=str(tmp_path / "out"))
     dist = init_distributed()
-    run = make_run(cfg, cfg.model_path, cfg.train_files, cfg.val_files, ActorWorker(cfg, cfg.model_path, dist), None,
-                   SPMD(dist))
+    task = load_task(cfg, cfg.model_path, cfg.train_files, cfg.val_files, 1)
+    run = make_run(cfg, task, ActorWorker(cfg, cfg.model_path, dist), None, SPMD(dist))
     metrics, batch, _ = rl_step(1, [run.train_ds[i] for i in prompt_indices(1, cfg, len(run.train_ds))], run, 0.5)
     assert "old_log_probs" not in batch.keys()
     mask = batch["response_mask"]
@@ -227,3 +229,21 @@ def test_step_warnings_name_the_step_and_fire_once_per_occurrence():
     assert lines[2].startswith("step 5: 75% of the responses hit max_response_length")
     still = {**ok, "step": 6, "response_length/clip_ratio": 0.8}
     assert step_warnings(still, bad) == []  # the same occurrence of many truncated responses: said once
+
+
+def test_a_malformed_parquet_fails_before_any_model_loads(tiny_rl_setup, tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import ppo
+
+    rows = pq.read_table(tiny_rl_setup["train_files"]).to_pylist()
+    rows[5]["prompt"] = []  # no message
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    started = []
+    monkeypatch.setattr(ppo, "ActorWorker", lambda *a, **k: started.append("actor"))
+    cfg = toy_config(**{**tiny_rl_setup, "train_files": str(tmp_path / "bad.parquet")}, rollout_backend="hf",
+                     out_dir=str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=r"bad.parquet, row 5: field 'prompt' must be a non-empty list"):
+        train(cfg)
+    assert started == []
