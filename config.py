@@ -267,7 +267,9 @@ class Config:
     ckpt_every: int = 0
     """Steps between DCP checkpoints in out_dir/checkpoints (0: none); they resume at any world size."""
     resume: str = "auto"
-    """auto: continue from out_dir/checkpoints' latest if there is one; off: start over; or a checkpoint path."""
+    """auto: continue from out_dir/checkpoints' newest readable checkpoint (its files match its manifest; a damaged
+    latest one is named and passed over, loudly); latest: that one or stop, naming the damaged file; off: start
+    over; or a checkpoint path."""
     overwrite: bool = False
     """Start over in an out_dir that holds a previous run's metrics.jsonl (replacing its files); without it such a
     run is refused, so that no run destroys another's results."""

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,7 +41,8 @@ from core_algos import compute_advantages, kl_in_reward, last_token, overlong_pe
 from data import RLDataset, load_reward_fn, load_tokenizer, score_responses
 from fileio import write_atomic
 from rollout import COUNTS, sample_seed
-from sharding import begin_checkpoint, commit_checkpoint, find_latest, prune_checkpoints
+from sharding import (begin_checkpoint, checkpoint_problem, commit_checkpoint, find_latest, prune_checkpoints,
+                      readable_checkpoint)
 from tracking import Tracking
 from workers import ActorWorker, CriticWorker, pad_batch, response_lengths
 
@@ -500,8 +502,17 @@ def resume(run: Run) -> tuple[int, list[dict], float]:
     Nothing else needs restoring: a step's prompts and sampling seeds are functions of the step alone.
     """
     cfg = run.cfg
-    path = (None if cfg.resume == "off" else find_latest(os.path.join(cfg.out_dir, "checkpoints"))
-            if cfg.resume == "auto" else cfg.resume)
+    path = None if cfg.resume == "off" else cfg.resume
+    if cfg.resume in ("auto", "latest"):
+        path, problems = readable_checkpoint(os.path.join(cfg.out_dir, "checkpoints"))
+        if problems and cfg.resume == "latest":
+            raise RuntimeError(f"resume latest: the latest checkpoint cannot be read: {problems[0]}; the newest "
+                               f"readable one is {path} (--resume auto falls back to it)")
+        if problems and run.ctl.is_main:
+            print(f"WARNING: cannot resume from the latest checkpoint: {'; '.join(problems)}. Falling back to "
+                  f"{path or 'the start'}", file=sys.stderr, flush=True)
+    elif path is not None and (problem := checkpoint_problem(path)):
+        raise RuntimeError(f"resume={path}: {problem}")
     if path is None:
         return 1, [], cfg.kl_coef
     run.actor.load_checkpoint(os.path.join(path, "actor"))  # the engine gets these weights at the next generate
@@ -590,7 +601,8 @@ def check_out_dir(cfg: Config) -> None:
     """Refuse to start over in an out_dir whose metrics.jsonl holds a previous run's steps, unless told to
     (overwrite), so that no run destroys another's results; a run that resumes from a checkpoint keeps them."""
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    resumes = cfg.resume != "off" and (cfg.resume != "auto" or find_latest(os.path.join(cfg.out_dir, "checkpoints")))
+    resumes = cfg.resume != "off" and (cfg.resume not in ("auto", "latest") or
+                                       find_latest(os.path.join(cfg.out_dir, "checkpoints")))
     if not cfg.overwrite and not resumes and os.path.isfile(path) and os.path.getsize(path):
         with open(path) as f:
             steps = sum(1 for line in f if line.strip())

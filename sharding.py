@@ -33,6 +33,8 @@ different process groups (the Ray controller's split placement): each saves its 
 names the newest complete step folder.
 """
 
+import hashlib
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -389,9 +391,49 @@ def begin_checkpoint(ckpt_dir: str, step: int) -> str:
     return tmp
 
 
+MANIFEST = "manifest.json"  # the last file of a checkpoint: every other file's size and sha256
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(folder: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder)
+                  for name in names if name != MANIFEST)
+
+
+def checkpoint_problem(folder: str) -> str | None:
+    """Why a committed checkpoint cannot be read (its manifest missing, a file missing, truncated or changed), naming
+    the file; None when every file is as it was written."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        return f"{path} is missing (a checkpoint from before manifests, or a damaged one)"
+    with open(path) as f:
+        manifest = json.load(f)
+    for name, (size, sha) in manifest.items():
+        file = os.path.join(folder, name)
+        if not os.path.isfile(file):
+            return f"{file} is missing"
+        if os.path.getsize(file) != size:
+            return f"{file} has {os.path.getsize(file)} bytes, {size} were written"
+        if _sha256(file) != sha:
+            return f"{file} changed since it was written (sha256)"
+    return None
+
+
 def commit_checkpoint(ckpt_dir: str, step: int) -> str:
-    """Rename step_{step}.tmp to step_{step} once every part is written, then point ckpt_dir/latest at it; returns the
-    folder. A crash at any point leaves `latest` on the previous complete checkpoint. One process calls it."""
+    """Write the manifest of step_{step}.tmp (each file's size and sha256) as its last file, rename it to
+    step_{step} and point ckpt_dir/latest at it; returns the folder. A crash at any point leaves `latest` on the
+    previous complete checkpoint. One process calls it, once every part is written."""
+    tmp = os.path.join(ckpt_dir, f"step_{step}.tmp")
+    manifest = {name: [os.path.getsize(os.path.join(tmp, name)), _sha256(os.path.join(tmp, name))]
+                for name in _files(tmp)}
+    write_atomic(os.path.join(tmp, MANIFEST), lambda out: Path(out).write_text(json.dumps(manifest, indent=1)))
     final = os.path.join(ckpt_dir, f"step_{step}")
     shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run) replaces it
     os.replace(final + ".tmp", final)
@@ -418,6 +460,25 @@ def save_sharded(path: str, model, optimizer, extra: dict, dist: Dist) -> None:
     dcp.save(_state(model, optimizer), checkpoint_id=path)
     torch.save(extra, os.path.join(path, f"extra_rank{dist.rank}.pt"))
     barrier(dist)
+
+
+def readable_checkpoint(ckpt_dir: str) -> tuple[str | None, list[str]]:
+    """(the newest committed checkpoint whose files match its manifest, or None; why each newer one was passed
+    over). Starts from the one `latest` names; none when there is no `latest` (a fresh run)."""
+    latest = find_latest(ckpt_dir)
+    if latest is None:
+        return None, []
+    newest = int(os.path.basename(latest)[5:])
+    steps = sorted((int(name[5:]) for name in os.listdir(ckpt_dir) if name.startswith("step_") and name[5:].isdigit()
+                    and int(name[5:]) <= newest), reverse=True)
+    problems = []
+    for step in steps:
+        folder = os.path.join(ckpt_dir, f"step_{step}")
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return folder, problems
+        problems.append(problem)
+    return None, problems
 
 
 def find_latest(ckpt_dir: str) -> str | None:

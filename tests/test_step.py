@@ -247,3 +247,27 @@ def test_a_malformed_parquet_fails_before_any_model_loads(tiny_rl_setup, tmp_pat
     with pytest.raises(ValueError, match=r"bad.parquet, row 5: field 'prompt' must be a non-empty list"):
         train(cfg)
     assert started == []
+
+
+def test_an_unreadable_checkpoint_is_named_and_the_previous_one_resumes(tiny_rl_setup, tmp_path, capsys):
+    """A truncated .distcp in the latest checkpoint: --resume latest stops naming it and the readable one; auto says
+    so and resumes from the previous checkpoint, ending with the uninterrupted run's weights."""
+    from safetensors.torch import load_file
+
+    def cfg(out, steps, **kw):
+        return toy_config(**tiny_rl_setup, rollout_backend="hf", train_batch_size=4, ppo_mini_batch_size=4,
+                          rollout_n=2, max_response_length=4, total_steps=steps, ckpt_every=2, eval_every=10,
+                          out_dir=str(tmp_path / out), **kw)
+
+    train(cfg("whole", 6))
+    train(cfg("broken", 4))
+    shard = next((tmp_path / "broken" / "checkpoints" / "step_4" / "actor").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(RuntimeError, match=rf"{shard.name} has 100 bytes, .* the newest readable one is .*step_2"):
+        train(cfg("broken", 6, resume="latest"))
+    capsys.readouterr()
+    train(cfg("broken", 6))
+    err = capsys.readouterr().err
+    assert f"{shard.name} has 100 bytes" in err and "Falling back to" in err and "step_2" in err
+    whole, resumed = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("whole", "broken"))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
