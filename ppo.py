@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -527,8 +528,8 @@ def resume(run: Run) -> tuple[int, list[dict], float]:
 
 def loop(run: Run) -> list[dict]:
     """The steps from the latest checkpoint (or 1) to total_steps, with evaluation, metrics.jsonl, checkpoints,
-    the final export and curves.png; returns the records (what rank 0 logs)."""
-    cfg, ctl = run.cfg, run.ctl
+    the final export, curves.png and summary.json; returns the records (what rank 0 logs)."""
+    cfg, ctl, began = run.cfg, run.ctl, time.perf_counter()
     start, records, kl_coef = resume(run)
     log = tracker = None
     if ctl.is_main:  # only the main process writes files
@@ -571,9 +572,37 @@ def loop(run: Run) -> list[dict]:
         plot_curves(records, os.path.join(cfg.out_dir, "curves.png"))
         log.close()
         tracker.close()
-        print(f"held-out greedy accuracy: {records[0]['val/accuracy']:.3f} -> {records[-1]['val/accuracy']:.3f}; "
-              f"outputs in {cfg.out_dir}")
+        summary = run_summary(records, cfg, time.perf_counter() - began)
+        write_atomic(os.path.join(cfg.out_dir, "summary.json"),
+                     lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(summary["phase_share"].items(), key=lambda kv: -kv[1])[:4])
+        print(f"held-out greedy accuracy: {records[0]['val/accuracy']:.3f} -> {records[-1]['val/accuracy']:.3f} (best "
+              f"{summary['best_val_accuracy']:.3f} at step {summary['best_step']}: {summary['best_checkpoint']}); "
+              f"{summary['steps']} steps in {summary['wall_s']:.0f} s ({shares}); outputs and summary.json in "
+              f"{cfg.out_dir}")
     return records
+
+
+def run_summary(records: list[dict], cfg: Config, wall_s: float) -> dict:
+    """What a finished run did (summary.json): steps, wall time (this process's), each phase's share of the step time
+    (nested phases, e.g. reshard inside gen, count in both), tokens/s per rank, peak memory, skipped optimizer steps,
+    and the best held-out accuracy with the checkpoint that holds it (None when no checkpoint was kept there)."""
+    steps = [r for r in records if r["step"] > 0]
+    step_s = sum(r.get("timing_s/step", 0.0) for r in steps)
+    phases = sorted({k for r in steps for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
+    tokens = sum(r.get("perf/throughput", 0.0) * r.get("timing_s/step", 0.0) for r in steps)
+    best = max((r for r in records if "val/accuracy" in r), key=lambda r: (r["val/accuracy"], r["step"]))
+    folder = os.path.join(cfg.out_dir, "checkpoints", f"step_{best['step']}")
+    if not os.path.isdir(folder):
+        folder = os.path.join(cfg.out_dir, "final") if best["step"] == records[-1]["step"] else None
+    return {"steps": len(steps), "wall_s": wall_s, "step_s": step_s,
+            "phase_share": {k[len("timing_s/"):]: sum(r.get(k, 0.0) for r in steps) / max(step_s, 1e-9)
+                            for k in phases},
+            "tokens_per_s_per_rank": tokens / max(step_s, 1e-9),
+            "peak_memory_gb": max((v for r in records for k, v in r.items() if k.startswith("perf/max_memory")
+                                   and k.endswith("_gb")), default=None),
+            "skipped_steps": sum(v for r in steps for k, v in r.items() if k.endswith("/skipped_steps")),
+            "best_val_accuracy": best["val/accuracy"], "best_step": best["step"], "best_checkpoint": folder}
 
 
 TRUNCATED_WARN = 0.5  # a share of responses cut at max_response_length worth a word

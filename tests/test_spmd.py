@@ -9,7 +9,7 @@
 - A checkpoint written by 2 ranks (LoRA: the adapter and its optimizer state) resumes in 1 process.
 - When a rank dies (os._exit) or hangs, the other exits with an error that names it, within dist_timeout_s, and the
   same command resumes from the latest checkpoint (tests/dist_rank_fault.py injects the fault).
-- Dynamic sampling fills 1 process and 2 ranks alike with informative groups.
+- Dynamic sampling fills 1 process and 2 ranks alike with informative groups. A run's console stays quiet.
 - PPO with a critic on 2 ranks: values, returns and advantages (whitened over both ranks) of the first step equal
   one process's; its checkpoint resumes in 1 process with the trained critic, and the adaptive KL coefficient
   continues its recursion.
@@ -99,9 +99,21 @@ def test_two_rank_checkpoint_resumes_in_one_process(tiny_rl_setup, two_ranks):
     assert [r["step"] for r in records(two_ranks)] == [0, 1, 2, 3]
 
 
+def assert_quiet(log_path):
+    """vLLM's INFO lines stay off by default (--verbose brings them back): besides the progress bars, a run prints
+    a few dozen lines at most, none of them per step."""
+    parts = re.split(r"[\r\n]", open(log_path).read())
+    bar = re.compile(r"(it/s|s/it)\]|^\s*rl:|Writing model shards|Loading weights")
+    lines = [p for p in parts if p.strip() and not bar.search(p)]
+    assert len(lines) < 40, "\n".join(lines)
+    assert not [p for p in lines if " INFO " in p], "\n".join(lines)
+
+
 def test_killed_run_resumes_exactly(tiny_rl_setup, tmp_path):
+    """(Its uninterrupted 6-step run also shows that the console stays quiet: assert_quiet.)"""
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     launch(args(tiny_rl_setup, whole, total_steps=6, ckpt_every=2), tmp_path / "whole.log")
+    assert_quiet(tmp_path / "whole.log")
     proc = launch(args(tiny_rl_setup, broken, total_steps=6, ckpt_every=2), tmp_path / "broken.log", wait=False)
     latest = broken / "checkpoints" / "latest"
     deadline = time.time() + 300
@@ -173,17 +185,6 @@ def test_dynamic_sampling_fills_both_ranks_with_informative_groups(tiny_rl_setup
         step = records(out)[1]
         assert step["dynamic/kept_groups"] == 8 and step["dynamic/filled_groups"] == 0, step
         assert step["dynamic/rounds"] >= 2 and step["dynamic/dropped_groups"] >= 6
-
-
-def test_the_console_is_quiet(tiny_rl_setup, tmp_path):
-    """vLLM's INFO lines stay off by default (--verbose brings them back): besides the progress bars, a run prints
-    a few dozen lines at most, none of them per step."""
-    launch(args(tiny_rl_setup, tmp_path / "out", total_steps=6), tmp_path / "log")
-    parts = re.split(r"[\r\n]", open(tmp_path / "log").read())
-    bar = re.compile(r"(it/s|s/it)\]|^\s*rl:|Writing model shards|Loading weights")
-    lines = [p for p in parts if p.strip() and not bar.search(p)]
-    assert len(lines) < 40, "\n".join(lines)
-    assert not [p for p in lines if " INFO " in p], "\n".join(lines)
 
 
 def test_ppo_two_ranks_match_one_process_and_resume_in_one(tiny_rl_setup, tmp_path):

@@ -5,6 +5,7 @@ config values and files, rewards that are not finite numbers; dynamic sampling; 
 """
 
 import errno
+import json
 import os
 import shutil
 from dataclasses import replace
@@ -251,7 +252,8 @@ def test_a_malformed_parquet_fails_before_any_model_loads(tiny_rl_setup, tmp_pat
 
 def test_an_unreadable_checkpoint_is_named_and_the_previous_one_resumes(tiny_rl_setup, tmp_path, capsys):
     """A truncated .distcp in the latest checkpoint: --resume latest stops naming it and the readable one; auto says
-    so and resumes from the previous checkpoint, ending with the uninterrupted run's weights."""
+    so and resumes from the previous checkpoint, ending with the uninterrupted run's weights. (The uninterrupted run
+    also shows summary.json.)"""
     from safetensors.torch import load_file
 
     def cfg(out, steps, **kw):
@@ -260,6 +262,12 @@ def test_an_unreadable_checkpoint_is_named_and_the_previous_one_resumes(tiny_rl_
                           out_dir=str(tmp_path / out), **kw)
 
     train(cfg("whole", 6))
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())  # the run summary, at the end
+    assert summary["steps"] == 6 and summary["skipped_steps"] == 0 and summary["tokens_per_s_per_rank"] > 0
+    assert 0 < summary["phase_share"]["gen"] < 1 and 0 < summary["phase_share"]["update_actor"] < 1
+    assert os.path.isdir(summary["best_checkpoint"]) and summary["peak_memory_gb"] > 0
+    assert summary["best_val_accuracy"] == max(r["val/accuracy"] for r in map(json.loads, open(
+        tmp_path / "whole" / "metrics.jsonl")) if "val/accuracy" in r)
     train(cfg("broken", 4))
     shard = next((tmp_path / "broken" / "checkpoints" / "step_4" / "actor").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
