@@ -26,7 +26,7 @@ import json
 import threading
 from dataclasses import dataclass, field
 
-from rollout import RolloutOutput, sample_seed
+from rollout import COUNTS, RolloutOutput, sample_seed
 
 
 @dataclass
@@ -185,9 +185,9 @@ class AgentLoop:
             open_ = [t for t, _ in calling if len(t.tokens) < max_tokens]
             if not open_:
                 break
+        counts = ([t.turns for t in trajs], [t.calls for t in trajs], [t.errors for t in trajs])
         return RolloutOutput([t.tokens for t in trajs], [t.log_probs for t in trajs], [t.mask for t in trajs],
-                             {"num_turns": [t.turns for t in trajs], "tool_calls": [t.calls for t in trajs],
-                              "tool_errors": [t.errors for t in trajs]})
+                             dict(zip(COUNTS, counts)))
 
     def _parse(self, turn: list[int]):
         """The call a turn ends with (its text from the last call_start), or the error that says why there is none."""

@@ -97,10 +97,11 @@ class HybridEngine:
         self.bucket_bytes = max(1, int(cfg.bucket_mb * MB))
         self.on_gpu = dist.device.type == "cuda"
         self.probe = probe_tokens(model.config.vocab_size, cfg.probe_len)  # [N, T]
-        self.names = sorted(name for group in weight_groups(model) for name, _ in group)  # what a sync hands over
+        groups = weight_groups(model)
+        self.names = sorted(name for group in groups for name, _ in group)  # what a sync hands over
         # LoRA: the groups holding adapted weights; once the engine has the base it keeps (no sleep: CPU), only these
         # change, so later syncs send only them
-        self.adapted = sorted(name for group in weight_groups(model) if any(isinstance(t, Merged) for _, t in group)
+        self.adapted = sorted(name for group in groups if any(isinstance(t, Merged) for _, t in group)
                               for name, _ in group)
         self.synced, self.sent = False, set()
         rollout.sleep()  # train mode is the resting state: the engine wakes in rollout mode only

@@ -44,6 +44,7 @@ import tyro
 from config import check_paths, split_files
 from data import (RLDataset, default_compute_score, is_message, load_reward_fn, load_tokenizer, score_responses,
                   tokenize_prompt)
+from fileio import sha256
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -424,17 +425,6 @@ def builtin_files(cfg: SFTConfig, root: str) -> tuple[str, str]:
                                                  teacher_slip=cfg.teacher_slip))
 
 
-def inputs_sha256(paths: list[str]) -> str:
-    """One hash of the files' bytes, in order (the data files and the reward file): changed inputs are never
-    mistaken for the finished run's."""
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def cached(out_dir: str, config: dict, inputs_hash: str) -> bool:
     """True when out_dir holds a finished SFT of this config on these inputs; an out_dir that is not an SFT result
     is refused, so a user's folder is never replaced."""
@@ -471,7 +461,7 @@ def run(cfg: SFTConfig) -> str:
         if cfg.task == "calculator":  # traces that call the tool, for a fixed number of steps: a greedy single-turn
             # answer cannot call the tool, so held-out accuracy says nothing here (RL evaluates with the tool)
             response_key, val_files, max_steps = "extra_info.tool_answer", [], cfg.calculator_steps
-    inputs_hash = inputs_sha256(train_files + val_files + [cfg.reward_fn_path] * bool(cfg.reward_fn_path))
+    inputs_hash = sha256(train_files + val_files + [cfg.reward_fn_path] * bool(cfg.reward_fn_path))
     if cached(out_dir, config, inputs_hash):
         print(f"{out_dir} already holds this SFT (same config, same inputs): reused")
         return out_dir

@@ -33,7 +33,6 @@ different process groups (the Ray controller's split placement): each saves its 
 names the newest complete step folder.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -52,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from comm import Dist, barrier
-from fileio import write_atomic
+from fileio import sha256, write_atomic
 from lora import add_adapters, export_adapter, freeze_base, is_adapter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -394,14 +393,6 @@ def begin_checkpoint(ckpt_dir: str, step: int) -> str:
 MANIFEST = "manifest.json"  # the last file of a checkpoint: every other file's size and sha256
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _files(folder: str) -> list[str]:
     return sorted(os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder)
                   for name in names if name != MANIFEST)
@@ -421,7 +412,7 @@ def checkpoint_problem(folder: str) -> str | None:
             return f"{file} is missing"
         if os.path.getsize(file) != size:
             return f"{file} has {os.path.getsize(file)} bytes, {size} were written"
-        if _sha256(file) != sha:
+        if sha256([file]) != sha:
             return f"{file} changed since it was written (sha256)"
     return None
 
@@ -431,7 +422,7 @@ def commit_checkpoint(ckpt_dir: str, step: int) -> str:
     step_{step} and point ckpt_dir/latest at it; returns the folder. A crash at any point leaves `latest` on the
     previous complete checkpoint. One process calls it, once every part is written."""
     tmp = os.path.join(ckpt_dir, f"step_{step}.tmp")
-    manifest = {name: [os.path.getsize(os.path.join(tmp, name)), _sha256(os.path.join(tmp, name))]
+    manifest = {name: [os.path.getsize(os.path.join(tmp, name)), sha256([os.path.join(tmp, name)])]
                 for name in _files(tmp)}
     write_atomic(os.path.join(tmp, MANIFEST), lambda out: Path(out).write_text(json.dumps(manifest, indent=1)))
     final = os.path.join(ckpt_dir, f"step_{step}")

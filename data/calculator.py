@@ -19,13 +19,13 @@ import ast
 import operator
 import os
 import random
-import re
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import tyro
 
+from data import arith
 from fileio import write_atomic
 
 AGENT = dict(tools_path=os.path.abspath(__file__), call_start="<<", call_end="=", observation="{result}>>")
@@ -108,10 +108,8 @@ def write_parquet(cfg: CalculatorConfig) -> tuple[str, str]:
 
 
 def compute_score(solution_str: str, ground_truth: str) -> float:
-    """1.0 if the last integer after the last tool output (">>") equals ground_truth, else 0.0: the model must write
-    the answer itself."""
-    found = re.findall(r"-?\d+", solution_str.rsplit(AGENT["observation"].format(result=""), 1)[-1])
-    return 1.0 if found and int(found[-1]) == int(ground_truth) else 0.0
+    """arith's verifier on the text after the last tool output (">>"): the model must write the answer itself."""
+    return arith.compute_score(solution_str.rsplit(AGENT["observation"].format(result=""), 1)[-1], ground_truth)
 
 
 if __name__ == "__main__":

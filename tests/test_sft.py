@@ -12,6 +12,7 @@ import torch
 from conftest import TINY
 from transformers import AutoModelForCausalLM
 
+import fileio
 from data import RLDataset
 from data.arith import ArithConfig, write_parquet
 import sft
@@ -153,7 +154,7 @@ def test_saved_in_exactly_out_dir_and_reused_until_the_data_changes(small_task, 
     run(cfg)
     assert "trained with other data or reward files: training again" in capsys.readouterr().out
     result = json.load(open(os.path.join(cfg.out_dir, "sft_result.json")))
-    assert result["inputs_sha256"] == sft.inputs_sha256([cfg.train_files, cfg.val_files]) != first["inputs_sha256"]
+    assert result["inputs_sha256"] == fileio.sha256([cfg.train_files, cfg.val_files]) != first["inputs_sha256"]
     assert os.path.getmtime(os.path.join(cfg.out_dir, "model.safetensors")) > stamp
     run(replace(cfg, lr=1e-3))
     assert "trained with other lr: training again" in capsys.readouterr().out
