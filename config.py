@@ -208,6 +208,11 @@ class Config:
     log_prob_max_token_len_per_gpu: int = 16384
     """Most real tokens in one micro-batch of the passes without gradients (old and reference log-probs, the critic's
     values), always by token budget: they keep no activations, and the logits exist a chunk at a time."""
+    oom_retry: bool = False
+    """An out-of-memory in a micro-batch halves that phase's micro-batch limit (the token budget above, or
+    ppo_micro_batch_size) and reruns the phase's micro-batches, printing it (perf/oom_retries/<role> counts them);
+    the step's result is unchanged, and the halved limit stays. Off: the error names the phase, the micro-batch and
+    the knobs. Every rank must meet the error at the same micro-batch (workers.Worker.oom_retry)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (actor and critic; verl's
     enable_gradient_checkpointing): the update's memory no longer grows with layers x tokens."""

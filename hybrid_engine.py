@@ -37,7 +37,7 @@ Why the gathers are not overlapped with the engine's loading: launching a bucket
 run of bench/reshard.py, cause not isolated), so each tensor is gathered when its bucket is built.
 
 Metrics: timing_s/reshard, reshard/bytes, reshard/buckets, peak memory during the switch
-(perf/max_memory_allocated_gb on GPU, perf/max_memory_rss_gb on CPU) and reshard/max_memory_extra_gb (that peak
+(perf/max_memory_gb/reshard: allocated device memory on GPU, RSS on CPU) and reshard/max_memory_extra_gb (that peak
 minus the memory at entry); with verify_sync also reshard/probe_logprob_diff_max (the engine-trainer log-prob
 gap on the probe; ppo.py's rollout/logprob_diff_* give the gap on the sampled tokens of every step).
 """
@@ -52,10 +52,11 @@ import torch.distributed as tdist
 from torch.distributed.tensor import DTensor, Shard
 
 from comm import Dist, timer
+from perf import GB, peak_memory, reset_peak_memory
 from core_algos import token_log_probs
 from sharding import Merged, cast_dtype, full_tensor, full_weights, weight_groups
 
-MB, GB = 1 << 20, 1 << 30
+MB = 1 << 20
 CHECKSUM_CHUNK = 1 << 22  # bytes fingerprinted at a time: bounds the int64 temporaries to 64 MB
 PROBE_SEQS = 4  # sequences in the probe batch
 try:
@@ -124,7 +125,7 @@ class HybridEngine:
                     metrics["reshard/bytes"], metrics["reshard/buckets"] = self._stream(received)
                 self.rollout.wake_up(tags=["kv_cache"])
             peak = peak_memory(self.dist.device)
-            metrics["perf/max_memory_allocated_gb" if self.on_gpu else "perf/max_memory_rss_gb"] = peak / GB
+            metrics["perf/max_memory_gb/reshard"] = peak / GB
             metrics["reshard/max_memory_extra_gb"] = (peak - at_entry) / GB
             if self.cfg.verify_sync:  # the checksums of what this sync sent (LoRA: the frozen rest was checked once)
                 checksums = {name: value for name, value in expected[0].items() if name in self.sent}
@@ -265,21 +266,6 @@ def _shard_offset(tensor: DTensor) -> int:
     return first_row * (tensor.numel() // max(rows, 1))
 
 
-def reset_peak_memory(device: torch.device) -> int:
-    """Start a new high-water mark of this process's memory; returns the memory in use now (bytes)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/clear_refs", "w") as f:  # Linux: "5" resets the process's peak RSS (VmHWM)
-        f.write("5")
-    return _proc_status("VmRSS")
-
-
-def peak_memory(device: torch.device) -> int:
-    """The high-water mark since reset_peak_memory (bytes): allocated device memory on GPU, RSS on CPU."""
-    return torch.cuda.max_memory_allocated() if device.type == "cuda" else _proc_status("VmHWM")
-
-
 def release_host_memory() -> None:
     """Hand the free pages of this process's heap back to the OS (glibc's malloc_trim). glibc keeps the pages of
     freed tensors for later allocations; after a weight sync on CPU that is about a bucket and the engine's load
@@ -287,10 +273,3 @@ def release_host_memory() -> None:
     machine can then use."""
     if _malloc_trim is not None:
         _malloc_trim(0)
-
-
-def _proc_status(key: str) -> int:
-    """A memory line of /proc/self/status (VmRSS: resident now, VmHWM: peak since the last reset), in bytes."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(key + ":"))
-    return int(line.split()[1]) * 1024  # the file counts kB

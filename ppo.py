@@ -200,9 +200,23 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
         if run.pool:
             feed_pool(step, run, metrics)
 
+    # ==================== 7. what the step cost: per-phase memory, MFU (in the updates' metrics), the all-reduce probe ====
+    for worker in filter(None, (actor, critic)):
+        metrics.update(worker.perf())  # a collective (the probe)
+    metrics["perf/overhead_share"] = overhead_share(metrics, run.pool is not None)
     metrics.update(batch_metrics(batch, cfg.max_response_length))
     metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]  # per rank
     return {**ctl.reduce(metrics), "step": step}, batch, kl_coef
+
+
+def overhead_share(metrics: dict, pool: bool) -> float:
+    """The share of the step outside its phases' timers: the loop's own work (padding, balancing's moves, the ranks'
+    agreements, metrics) and, under Ray, moving the batch between driver and workers. Phases that run at once (Ray's
+    split placement) count once each, so there it is a lower bound."""
+    rollout = ("wait_rollout", "wait_rollout_pool", "sync_rollout_weights") if pool else ("gen", "reward")
+    phases = rollout + ("old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+    inside = sum(metrics.get(f"timing_s/{name}", 0.0) for name in phases)
+    return max(0.0, 1.0 - inside / metrics["timing_s/step"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -578,15 +592,16 @@ def loop(run: Run) -> list[dict]:
         shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(summary["phase_share"].items(), key=lambda kv: -kv[1])[:4])
         print(f"held-out greedy accuracy: {records[0]['val/accuracy']:.3f} -> {records[-1]['val/accuracy']:.3f} (best "
               f"{summary['best_val_accuracy']:.3f} at step {summary['best_step']}: {summary['best_checkpoint']}); "
-              f"{summary['steps']} steps in {summary['wall_s']:.0f} s ({shares}); outputs and summary.json in "
+              f"{summary['steps']} steps in {summary['wall_s']:.0f} s ({shares}; MFU "
+              f"{', '.join(f'{k} {v:.1%}' for k, v in summary['mfu'].items())}); outputs and summary.json in "
               f"{cfg.out_dir}")
     return records
 
 
 def run_summary(records: list[dict], cfg: Config, wall_s: float) -> dict:
     """What a finished run did (summary.json): steps, wall time (this process's), each phase's share of the step time
-    (nested phases, e.g. reshard inside gen, count in both), tokens/s per rank, peak memory, skipped optimizer steps,
-    and the best held-out accuracy with the checkpoint that holds it (None when no checkpoint was kept there)."""
+    (nested phases, e.g. reshard inside gen, count in both), tokens/s per rank, each phase's peak memory, the mean
+    MFU of each update and the loop's own share, skipped optimizer steps, and the best held-out accuracy with the checkpoint that holds it (None when no checkpoint was kept there)."""
     steps = [r for r in records if r["step"] > 0]
     step_s = sum(r.get("timing_s/step", 0.0) for r in steps)
     phases = sorted({k for r in steps for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
@@ -599,8 +614,11 @@ def run_summary(records: list[dict], cfg: Config, wall_s: float) -> dict:
             "phase_share": {k[len("timing_s/"):]: sum(r.get(k, 0.0) for r in steps) / max(step_s, 1e-9)
                             for k in phases},
             "tokens_per_s_per_rank": tokens / max(step_s, 1e-9),
-            "peak_memory_gb": max((v for r in records for k, v in r.items() if k.startswith("perf/max_memory")
-                                   and k.endswith("_gb")), default=None),
+            "peak_memory_gb": {k[len("perf/max_memory_gb/"):]: max(r.get(k, 0.0) for r in records)
+                               for k in sorted({k for r in records for k in r if k.startswith("perf/max_memory_gb/")})},
+            "mfu": {k[len("perf/mfu/"):]: sum(r[k] for r in steps if k in r) / len(steps)
+                    for k in sorted({k for r in steps for k in r if k.startswith("perf/mfu/")})},
+            "overhead_share": sum(r.get("perf/overhead_share", 0.0) for r in steps) / max(len(steps), 1),
             "skipped_steps": sum(v for r in steps for k, v in r.items() if k.endswith("/skipped_steps")),
             "best_val_accuracy": best["val/accuracy"], "best_step": best["step"], "best_checkpoint": folder}
 

@@ -141,6 +141,19 @@ class VLLMRollout:
         # over every weight exactly once (and, with verify_sync, that the engine computes with them).
         logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
         self._warned_sleep = False
+        # the KV cache's use, as vLLM's scheduler reports it after each of its steps (kv_cache_stats)
+        self._kv = {"rollout/kv_cache_usage_max": 0.0, "rollout/preemptions": 0.0}
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        schedule = scheduler.schedule
+
+        def observed_schedule(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            self._kv["rollout/kv_cache_usage_max"] = max(self._kv["rollout/kv_cache_usage_max"],
+                                                         scheduler.kv_cache_manager.usage)
+            self._kv["rollout/preemptions"] += len(out.preempted_req_ids or ())  # evicted for want of KV blocks
+            return out
+
+        scheduler.schedule = observed_schedule
 
     @property
     def device(self) -> torch.device:
@@ -192,6 +205,13 @@ class VLLMRollout:
                 # logprobs=0 returns only the sampled token's entry at each step
                 log_probs.append([step[t].logprob for t, step in zip(tokens, sample.logprobs)])
         return RolloutOutput(responses, log_probs)
+
+    def kv_cache_stats(self) -> dict:
+        """Since the last call: the KV cache's highest use (0-1: the share of its blocks, after a scheduler step) and
+        how many requests were preempted for want of blocks (they recompute: a larger --gpu-memory-utilization or
+        fewer samples at once avoids it)."""
+        out, self._kv = self._kv, {k: 0.0 for k in self._kv}
+        return out
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named weights into the running engine. The model's own load_weights fails on CPU (its
@@ -336,6 +356,10 @@ class HFRollout:
         return RolloutOutput(responses, log_probs)
 
     @torch.no_grad()
+    def kv_cache_stats(self) -> dict:
+        """Nothing: HF generate keeps no KV cache between calls."""
+        return {}
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The trainer's own model: nothing to load, but the stream is still read, so the hybrid engine's checksums
         (taken as each tensor is handed over) see every parameter. A model of its own: copied in."""

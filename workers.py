@@ -34,13 +34,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from agent import AgentLoop
 from batching import micro_batches, pack, packing_works, unpack
-from comm import Dist, broadcast, reduce_metrics, side_group, timer
+from comm import Dist, broadcast, reduce_metrics, side_group, synchronize, timer
 from config import Config
 from core_algos import agg_loss, head_log_probs, kl_penalty, lr_factor, policy_loss, tis_weights, value_loss
 from data import load_tokenizer
 from hybrid_engine import (HybridEngine, checksum, probe_tokens, raise_on_sync_errors, sync_errors, trainer_checksums,
                            trainer_probe)
 from lora import adapters_off
+from perf import (GB, OutOfMemory, allreduce_ms, is_oom, model_flops, model_shape, peak_flops, peak_memory,
+                  reset_peak_memory)
 from rollout import HFRollout, make_rollout
 from sharding import (DTYPES, cast_dtype, clip_grad_norm, export_hf, full_weights, load_sharded, load_sharded_model,
                       move_model, placed, save_sharded, weight_buckets)
@@ -173,15 +175,20 @@ class Worker:
                   f"see each other (batching.packing_works); {self.role}: running padded micro-batches instead")
         if self.offload_params:  # from now on the parameters come to the device for each phase (resident)
             move_model(model, "cpu")
+        self.shape = model_shape(model)  # its FLOPs a token, for perf/mfu
+        self.peak_flops = peak_flops(dist.device, DTYPES[cfg.fsdp.param_dtype])  # what MFU divides by
+        self.measures = {}  # the phases' memory high-water marks since the controller last collected them (perf)
+        self.limits = {}  # phase: the micro-batch limit that --oom-retry halved to (it stays for later steps)
+        self.at = None  # (micro-batch index, the phase's micro-batches, their batch): what an out-of-memory names
 
-    def micro_batch_parts(self, batch: TensorDict, max_tokens: int | None) -> list[list[int]]:
+    def micro_batch_parts(self, batch: TensorDict, max_tokens: int | None, rows: int = 0) -> list[list[int]]:
         """Row indices of batch's micro-batches: within max_tokens (the no-grad passes always; the update with
-        use_dynamic_bsz), else ppo_micro_batch_size rows. Collective with a token budget (batching.micro_batches: the
-        ranks agree on the count)."""
+        use_dynamic_bsz), else `rows` rows each. Collective with a token budget (batching.micro_batches: the ranks
+        agree on the count)."""
         if max_tokens is not None:
             return micro_batches(batch["attention_mask"].sum(-1), max_tokens, self.dist)
-        B, size = batch.batch_size[0], self.cfg.ppo_micro_batch_size
-        return [list(range(i, min(i + size, B))) for i in range(0, B, size)]
+        B = batch.batch_size[0]
+        return [list(range(i, min(i + rows, B))) for i in range(0, B, rows)]
 
     def to_device(self, batch: TensorDict) -> TensorDict:
         """The one place a batch crosses to this worker's device: a micro-batch of the CPU batch the controller
@@ -195,21 +202,82 @@ class Worker:
         optimizers = [self.opt] if optimizer and self.offload_optimizer else []
         return placed(self.dist.device, "cpu", models, optimizers)
 
-    def map_micro_batches(self, fn, batch: TensorDict, max_tokens: int) -> torch.Tensor:
-        """fn on each token-budget micro-batch of the CPU batch, on this worker's device; the results [B, ...] on the
-        CPU, in batch's row order. Collective (the micro-batch count; FSDP2's gathers in fn)."""
-        parts = self.micro_batch_parts(batch, max_tokens)
+    def map_micro_batches(self, fn, batch: TensorDict, phase: str) -> torch.Tensor:
+        """fn on each token-budget micro-batch (log_prob_max_token_len_per_gpu) of the CPU batch, on this worker's
+        device; the results [B, ...] on the CPU, in batch's row order. Out of memory: see oom_retry. Collective (the
+        micro-batch count; FSDP2's gathers in fn)."""
+        limit = self.limits.get(phase, self.cfg.log_prob_max_token_len_per_gpu)
+        while True:
+            parts, outs = self.micro_batch_parts(batch, limit), []
+            try:
+                for i, part in enumerate(parts):
+                    self.at = (i, parts, batch)
+                    outs.append(fn(self.to_device(batch[torch.tensor(part)])).cpu())
+                break
+            except Exception as error:  # noqa: BLE001 (an out-of-memory is retried or named; the rest goes up)
+                limit = self.oom_retry(error, phase, "log_prob_max_token_len_per_gpu", limit)
         rows = torch.tensor([i for p in parts for i in p])  # [B], the order the micro-batches ran in
-        out = torch.cat([fn(self.to_device(batch[torch.tensor(p)])).cpu() for p in parts])  # [B, ...] in that order
-        return out[rows.argsort()]
+        return torch.cat(outs)[rows.argsort()]  # [B, ...]
+
+    @contextmanager
+    def measured(self, phase: str):
+        """The block's memory high-water mark as perf/max_memory_gb/<phase> (allocated device memory on GPU, the
+        process's RSS on CPU), kept for perf()."""
+        reset_peak_memory(self.dist.device)
+        yield
+        self.measures[f"perf/max_memory_gb/{phase}"] = peak_memory(self.dist.device) / GB
+
+    def perf(self) -> dict:
+        """The phases' memory and out-of-memory retries since the last call, and perf/allreduce_ms: one 1 MB
+        all-reduce over the worker's ranks (0 alone). Collective (the probe)."""
+        out, self.measures = {f"perf/oom_retries/{self.role}": 0.0, **self.measures}, {}
+        group = self.dist.mesh["dp"].get_group() if self.dist.mesh is not None else None
+        out["perf/allreduce_ms"] = allreduce_ms(group, self.dist.device) if group is not None else 0.0
+        return out
+
+    def oom_retry(self, error: Exception, phase: str, knob: str, limit: int) -> int:
+        """After `error` in micro-batch self.at of phase, under the micro-batch limit `limit` (knob's tokens, or
+        ppo_micro_batch_size's rows): anything but an out-of-memory goes up as it is. An out-of-memory raises
+        OutOfMemory naming the phase, the micro-batch, the limit and the knobs that lower it; with --oom-retry it
+        returns half the limit instead (kept for this phase's later calls), to rerun the phase's micro-batches:
+        the micro-batches of a token budget add up to the same gradient and log-probs, so nothing else changes.
+        Every rank must meet the error at the same micro-batch (the next collective pairs them): true of a budget
+        that every rank fills alike; an out-of-memory on one rank alone stalls the others until dist_timeout_s."""
+        if not is_oom(error):
+            raise error
+        self.opt.zero_grad(set_to_none=True)  # a micro-batch's half-made gradient: the retry starts clean
+        if self.dist.device.type == "cuda":
+            torch.cuda.empty_cache()
+        i, parts, batch = self.at
+        seqlens = batch["attention_mask"].sum(-1)[torch.tensor(parts[i])]  # [b]
+        where = (f"{self.role} {phase}: micro-batch {i + 1} of {len(parts)} ({len(parts[i])} sequences, "
+                 f"{int(seqlens.sum())} tokens) under {knob}={limit}")
+        if not self.cfg.oom_retry or max(map(len, parts)) == 1:  # one sequence a micro-batch: nothing left to halve
+            raise OutOfMemory(f"out of memory in {where}. Lower --{knob.replace('_', '-')}"
+                              f"{'' if self.cfg.oom_retry else ' (--oom-retry halves it and retries)'}, or turn on "
+                              f"--gradient-checkpointing, --offload.{self.role}-params, --offload.{self.role}-optimizer"
+                              f"{', --offload.ref-params' if self.role == 'actor' else ''}; a shorter "
+                              f"--max-response-length or a smaller --ppo-mini-batch-size also helps") from error
+        print(f"[oom-retry] out of memory in {where}: retrying with {knob}={max(1, limit // 2)}", flush=True)
+        self.measures[f"perf/oom_retries/{self.role}"] = self.measures.get(f"perf/oom_retries/{self.role}", 0.0) + 1
+        self.limits[phase] = max(1, limit // 2)
+        return self.limits[phase]
 
     def update(self, batch: TensorDict) -> dict:
         """PPO epochs over mini-batches of this rank's shard; each mini-batch is one optimizer step over its
-        micro-batches. Returns this rank's metrics (the controller reduces them over the ranks).
-        Collectives: per mini-batch, the token and sequence counts (reduce_metrics), the micro-batch count
-        (use_dynamic_bsz), FSDP2's gathers and gradient reduce-scatters, and the global grad norm."""
-        with self.resident(optimizer=True):
-            return self._update(batch)
+        micro-batches. Returns this rank's metrics (the controller reduces them over the ranks), perf/mfu/<role>
+        among them. Collectives: per mini-batch, the token and sequence counts (reduce_metrics), the micro-batch
+        count (use_dynamic_bsz), FSDP2's gathers and gradient reduce-scatters, and the global grad norm."""
+        with self.resident(optimizer=True), self.measured(f"update_{self.role}"):
+            synchronize()
+            start = time.perf_counter()
+            out = self._update(batch)
+            synchronize()
+            seconds = time.perf_counter() - start
+        flops = self.cfg.ppo_epochs * model_flops(batch["attention_mask"].sum(-1), self.shape, backward=True,
+                                                  lora=bool(self.cfg.lora))
+        out[f"perf/mfu/{self.role}"] = flops / seconds / self.peak_flops
+        return out
 
     def _update(self, batch: TensorDict) -> dict:
         cfg, per_step = self.cfg, []
@@ -218,6 +286,8 @@ class Worker:
             group["lr"] = self.lr * lr_factor(self.updates, cfg.total_steps, warmup, cfg.lr_scheduler,
                                               cfg.min_lr_ratio)
         self.updates += 1
+        phase = f"update_{self.role}"
+        knob = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size"
         for epoch in range(cfg.ppo_epochs):
             for i, mb in enumerate(batch.split(cfg.ppo_mini_batch_size // self.dist.dp_size * cfg.rollout_n)):
                 # Every micro-batch divides by the mini-batch's counts, so the summed gradients are the
@@ -230,17 +300,13 @@ class Worker:
                                        sum_keys=("tokens", "seqs"))
                 counts = dict(n_tokens=total["tokens"] / self.dist.dp_size, n_seqs=total["seqs"] / self.dist.dp_size,
                               norm_len=cfg.max_response_length, dp_size=self.dist.dp_size)
-                budget = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
-                parts = self.micro_batch_parts(mb, budget)  # the same count on every rank
-                step = {f"{self.role}/num_micro_batches": len(parts)}
-                for part in parts:
-                    rows = torch.tensor(part)
-                    loss, metrics = self.micro_batch_loss(self.to_device(mb[rows]), counts, fresh=epoch == 0 and i == 0)
-                    loss.backward()
-                    share = (mask[rows].sum() / mask.sum().clamp(min=1)).item()  # its token share, from the CPU batch
-                    for k, v in metrics.items():
-                        step[k] = (max(step.get(k, v), v) if k.endswith("_max") else
-                                   step.get(k, 0.0) + (v if k in LOSS_METRICS else v * share))
+                limit = self.limits.get(phase, getattr(cfg, knob))
+                while True:  # once, unless an out-of-memory is retried with a smaller limit (oom_retry)
+                    try:
+                        step = self.accumulate(mb, mask, counts, limit, fresh=epoch == 0 and i == 0)
+                        break
+                    except Exception as error:  # noqa: BLE001 (an out-of-memory is retried or named; the rest goes up)
+                        limit = self.oom_retry(error, phase, knob, limit)
                 grad_norm = clip_grad_norm(self.model, cfg.grad_clip)  # across shards
                 if math.isfinite(grad_norm):  # a NaN/inf gradient would poison the weights: skip the step
                     self.opt.step()
@@ -256,6 +322,23 @@ class Worker:
         over = float((seqlens > cfg.ppo_max_token_len_per_gpu).sum()) if cfg.use_dynamic_bsz else 0.0
         out[f"{self.role}/over_budget_seqs"] = over
         return out
+
+    def accumulate(self, mb: TensorDict, mask: torch.Tensor, counts: dict, limit: int, fresh: bool) -> dict:
+        """Forward and backward over the micro-batches of mini-batch mb within `limit` (tokens under use_dynamic_bsz,
+        else sequences), their gradients summed into the parameters' .grad; returns their metrics. Collective (the
+        micro-batch count under use_dynamic_bsz; FSDP2's gathers and reduce-scatters)."""
+        parts = self.micro_batch_parts(mb, limit if self.cfg.use_dynamic_bsz else None, rows=limit)
+        step = {f"{self.role}/num_micro_batches": len(parts)}
+        for j, part in enumerate(parts):
+            self.at = (j, parts, mb)
+            rows = torch.tensor(part)
+            loss, metrics = self.micro_batch_loss(self.to_device(mb[rows]), counts, fresh=fresh)
+            loss.backward()
+            share = (mask[rows].sum() / mask.sum().clamp(min=1)).item()  # its token share, from the CPU batch
+            for k, v in metrics.items():
+                step[k] = (max(step.get(k, v), v) if k.endswith("_max") else
+                           step.get(k, 0.0) + (v if k in LOSS_METRICS else v * share))
+        return step
 
     def loss_mask(self, batch: TensorDict) -> torch.Tensor:
         """The tokens [B, R] the loss counts: every response token (the actor's may drop some, see ActorWorker)."""
@@ -331,11 +414,22 @@ class ActorWorker(Worker):
         # trainer's own model, which stays for the whole of rollout mode
         sync_resident, resident = (nullcontext, self.resident()) if self.rollout.uses_trainer_model else \
             (self.resident, nullcontext())
-        with optimizer_away, resident, self.hybrid.rollout_mode(metrics, sync_resident), timer("gen", metrics):
-            out = self.sampler.generate(prompts, n=n, max_tokens=self.cfg.max_response_length,
-                                        temperature=0.0 if greedy else self.cfg.temperature,
-                                        top_p=self.cfg.top_p, seeds=seeds,
-                                        ignore_eos=self.cfg.ignore_eos and not greedy)
+        with self.measured("gen"), optimizer_away, resident, self.hybrid.rollout_mode(metrics, sync_resident), \
+                timer("gen", metrics):
+            try:
+                out = self.sampler.generate(prompts, n=n, max_tokens=self.cfg.max_response_length,
+                                            temperature=0.0 if greedy else self.cfg.temperature,
+                                            top_p=self.cfg.top_p, seeds=seeds,
+                                            ignore_eos=self.cfg.ignore_eos and not greedy)
+            except Exception as error:
+                if not is_oom(error):
+                    raise
+                raise OutOfMemory(f"out of memory in actor gen: {len(prompts)} prompts x {n} samples of up to "
+                                  f"{self.cfg.max_response_length} tokens. Lower --gpu-memory-utilization (the "
+                                  f"engine's share; the trainer's parameters stay beside it), --train-batch-size or "
+                                  f"--rollout-n (the samples a rank generates), --max-response-length, or turn on "
+                                  f"--offload.actor-params") from error
+        metrics.update(self.rollout.kv_cache_stats())
         widths = reduce_metrics({"P/max": max(map(len, prompts)), "R/max": max(1, max(map(len, out.responses)))},
                                 self.dist)
         repeated = [p for p in prompts for _ in range(n)]
@@ -392,25 +486,26 @@ class ActorWorker(Worker):
     def log_probs(self, batch: TensorDict) -> torch.Tensor:
         """Sampled-token log-probs [B, R] under the current policy. Collectives: FSDP2's gathers (and the micro-batch
         count)."""
-        with self.resident():
-            return self._log_probs(self.model, batch)
+        with self.resident(), self.measured("old_log_prob"):
+            return self._log_probs(self.model, batch, "old_log_prob")
 
     @torch.no_grad()
     def ref_log_probs(self, batch: TensorDict) -> torch.Tensor:
         """Sampled-token log-probs [B, R] under the frozen reference (use_kl_loss / use_kl_in_reward; with LoRA the
         base model). Collectives: as log_probs."""
         if self.cfg.lora:  # the base model: the policy with its adapters off
-            with self.resident(), adapters_off(self.model):
-                return self._log_probs(self.model, batch)
+            with self.resident(), adapters_off(self.model), self.measured("ref"):
+                return self._log_probs(self.model, batch, "ref")
         if self.ref is None:
             raise RuntimeError("ref_log_probs: no reference policy was loaded (use_kl_loss and use_kl_in_reward off)")
-        with placed(self.dist.device, "cpu", models=[self.ref] if self.cfg.offload.ref_params else []):
-            return self._log_probs(self.ref, batch)
+        with placed(self.dist.device, "cpu", models=[self.ref] if self.cfg.offload.ref_params else []), \
+                self.measured("ref"):
+            return self._log_probs(self.ref, batch, "ref")
 
-    def _log_probs(self, model, batch: TensorDict) -> torch.Tensor:
+    def _log_probs(self, model, batch: TensorDict, phase: str) -> torch.Tensor:
         return self.map_micro_batches(lambda mb: response_log_probs(model, mb, self.cfg.temperature,
                                                                     remove_padding=self.remove_padding)[0],
-                                      batch, self.cfg.log_prob_max_token_len_per_gpu)
+                                      batch, phase)
 
     def micro_batch_loss(self, micro: TensorDict, counts: dict, fresh: bool) -> tuple[torch.Tensor, dict]:
         """Policy loss - entropy bonus (+ KL loss) of one micro-batch, scaled by its mini-batch's counts.
@@ -474,9 +569,9 @@ class CriticWorker(Worker):
     def values(self, batch: TensorDict) -> torch.Tensor:
         """The value [B, R] of the state before each response token, 0 at padding. Collectives: FSDP2's gathers (and
         the micro-batch count, whose budget is log_prob_max_token_len_per_gpu)."""
-        with self.resident():
+        with self.resident(), self.measured("values"):
             return self.map_micro_batches(lambda mb: response_values(self.model, mb, self.remove_padding), batch,
-                                          self.cfg.log_prob_max_token_len_per_gpu)
+                                          "values")
 
     def micro_batch_loss(self, micro: TensorDict, counts: dict, fresh: bool) -> tuple[torch.Tensor, dict]:
         """The clipped value loss of one micro-batch against the returns, scaled by its mini-batch's counts."""

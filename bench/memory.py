@@ -40,7 +40,7 @@ import tyro  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from gpu_smoke import SHAPES  # noqa: E402
-from hybrid_engine import _proc_status, peak_memory, reset_peak_memory  # noqa: E402
+from perf import peak_memory, proc_status, reset_peak_memory  # noqa: E402
 from sharding import DTYPES, compute_in  # noqa: E402
 from workers import pad_batch, response_log_probs  # noqa: E402
 
@@ -80,7 +80,7 @@ def head_logits_log_probs(model, batch, temperature: float, sliced: bool):
 def measure(cfg: MemoryConfig) -> dict:
     """One variant, one phase, one length, in this process: its peak and its floor (bytes)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    runtime = 0 if device.type == "cuda" else _proc_status("VmRSS")
+    runtime = 0 if device.type == "cuda" else proc_status("VmRSS")
     phase, R, variant = cfg.phases[0], cfg.response_tokens[0], cfg.variant
     shapes = SHAPES[cfg.size]
     torch.manual_seed(0)

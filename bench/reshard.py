@@ -21,7 +21,7 @@ trainer's weights into the engines:
                 communication alone
 - floor:        one all_gather_into_tensor of the bytes the engine needs (the model in the rollout dtype)
 Per rank: seconds per sync, and peak extra memory during it (the process's peak RSS after a reset, minus its RSS
-before: hybrid_engine.reset_peak_memory / peak_memory; the heap's free pages are handed back to the OS before each
+before: perf.reset_peak_memory / peak_memory; the heap's free pages are handed back to the OS before each
 call, so that pages kept from an earlier call do not hide new ones). The tables show the slower / larger rank.
 
 Memory: the launcher watches the machine's available memory while the workers run and prints the most they took.
@@ -48,7 +48,8 @@ import tyro  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from comm import barrier, broadcast_object, init_distributed  # noqa: E402
-from hybrid_engine import MB, HybridConfig, HybridEngine, peak_memory, release_host_memory, reset_peak_memory  # noqa: E402
+from hybrid_engine import MB, HybridConfig, HybridEngine, release_host_memory  # noqa: E402
+from perf import peak_memory, reset_peak_memory  # noqa: E402
 from rollout import VLLMRollout  # noqa: E402
 from sharding import DTYPES, export_hf, full_weights, load_sharded_model  # noqa: E402
 

@@ -16,8 +16,8 @@ temporaries glibc maps and unmaps at every call; a plain HF update timed once by
 For each size and dtype the bench times `steps` RL steps (ppo.rl_step, after one untimed step) with the old
 log-probs recomputed (Config.old_log_probs="recompute") and then without that pass: from the update's own forward
 ("update") where the update is one optimizer step, else the engine's ("rollout"); and prints per phase: seconds,
-tokens/s, model FLOP/s (2 N per token forward, 6 N forward + backward; N the parameters, attention's own FLOPs
-left out) as a share of the matmul peak measured in the same run (2048 x 2048, best of 5), and the ratio to a plain
+tokens/s, MFU (perf.py's model FLOPs over the phase's timer and the device's peak, perf.peak_flops; beside it the
+run's own perf/mfu/actor, which times the update inside the worker), and the ratio to a plain
 reference on the same tokens:
 - gen:          the engine's own LLM.generate, one SamplingParams for all prompts (no seeds, no log-probs); also
                 printed: seeded per prompt, and with log-probs, as rollout.py asks
@@ -39,7 +39,8 @@ import tyro  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from comm import init_distributed  # noqa: E402
-from config import Config  # noqa: E402
+from perf import model_flops, model_shape, peak_flops  # noqa: E402
+from config import Config, with_task_values  # noqa: E402
 from ppo import SPMD, load_task, make_run, prompt_indices, rl_step, warm_start_and_task_files  # noqa: E402
 from sft import SFTConfig, build_tiny_qwen2  # noqa: E402
 from sharding import DTYPES  # noqa: E402
@@ -61,20 +62,17 @@ class BenchConfig:
     """Where the runs' files (task, generation-bound model) go."""
 
 
-def matmul_peak(dtype: torch.dtype) -> float:
-    """Best FLOP/s of a 2048 x 2048 matmul in dtype, over 5 tries."""
-    a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * 2048**3 / best
+def phase_mfu(metrics: dict, batch, shape: dict, peak: float, phase: str = "update_actor", epochs: int = 1) -> float:
+    """A phase's MFU as this bench counts it: the batch's model FLOPs (perf.model_flops) over the controller's timer
+    of the phase (timing_s/<phase>) and the device's peak; the run's own perf/mfu/actor times the update inside the
+    worker."""
+    backward = phase.startswith("update")
+    return epochs * model_flops(batch["attention_mask"].sum(-1), shape, backward) / metrics[f"timing_s/{phase}"] / peak
 
 
 def size_config(size: str, dtype: str, out_dir: str) -> Config:
-    cfg = Config(adv_estimator="grpo", out_dir=os.path.join(out_dir, f"{size}-{dtype}"), overwrite=True)
+    cfg = with_task_values(Config(adv_estimator="grpo", out_dir=os.path.join(out_dir, f"{size}-{dtype}"),
+                                  overwrite=True), is_main=False)  # python grpo.py's lengths
     cfg.fsdp.param_dtype = dtype
     if size == "gen":
         cfg = replace(cfg, train_batch_size=16, ppo_mini_batch_size=16, rollout_n=8, max_response_length=128,
@@ -155,17 +153,22 @@ def measure(size: str, dtype: str, bench: BenchConfig) -> dict:
         task = load_task(mode_cfg, model_path, train_files, val_files, 1)
         run = make_run(mode_cfg, task, actor, None, SPMD(dist))
         out["params"] = sum(p.numel() for p in actor.model.parameters())
-        times, tokens = {}, {}
+        shape, peak = model_shape(actor.model), peak_flops(dist.device, DTYPES[dtype])
+        times, mfu = {}, {}
         for step in range(1, bench.steps + 2):
             rows = [run.train_ds[i] for i in prompt_indices(step, mode_cfg, len(run.train_ds))]
             metrics, batch, _ = rl_step(step, rows, run, 0.0)
             if step > 1:  # the first step warms up
                 for phase in PHASES:
                     times[phase] = times.get(phase, 0.0) + metrics.get(f"timing_s/{phase}", 0.0) / bench.steps
+                figures = {p: phase_mfu(metrics, batch, shape, peak, p) for p in ("old_log_prob", "update_actor")
+                           if f"timing_s/{p}" in metrics}
+                for key, value in {**figures, "perf/mfu/actor": metrics["perf/mfu/actor"]}.items():
+                    mfu[key] = mfu.get(key, 0.0) + value / bench.steps
         tokens = {"response": batch["response_mask"].sum().item(), "all": batch["attention_mask"].sum().item()}
         out["modes"][mode] = times
         if mode == "recompute":  # the references, on the last step's tokens
-            out["tokens"] = tokens
+            out["tokens"], out["mfu"], out["peak"] = tokens, mfu, peak
             out["refs"] = {**generation_refs(run, [r["prompt_ids"] for r in rows], mode_cfg),
                            **pass_refs(model_path, batch, mode_cfg, DTYPES[dtype])}
         actor.close()
@@ -173,23 +176,21 @@ def measure(size: str, dtype: str, bench: BenchConfig) -> dict:
     return out
 
 
-def report(size: str, dtype: str, m: dict, peak: float) -> None:
-    n, toks = m["params"], m["tokens"]
-    flops = {"old_log_prob": 2 * n * toks["all"], "update_actor": 6 * n * toks["all"]}
+def report(size: str, dtype: str, m: dict) -> None:
+    n, toks, mfu = m["params"], m["tokens"], m["mfu"]
     (_, rec), (other, upd) = m["modes"].items()
     refs = m["refs"]
     ref_of = {"gen": refs["engine"], "old_log_prob": refs["old_log_prob"], "update_actor": refs["update_actor"]}
     print(f"\n{size}, {dtype}: {n / 1e6:.1f}M parameters, {toks['response']:.0f} response tokens of {toks['all']:.0f}; "
-          f"matmul peak {peak / 1e9:.0f} GFLOP/s")
-    print(f"{'phase':<14} {'s':>8} {'tokens/s':>9} {'GFLOP/s':>8} {'% peak':>7} {'ref s':>8} {'/ ref':>6}")
+          f"peak {m['peak'] / 1e9:.0f} GFLOP/s (perf.peak_flops)")
+    print(f"{'phase':<14} {'s':>8} {'tokens/s':>9} {'MFU':>6} {'ref s':>8} {'/ ref':>6}")
     for phase in PHASES:
         s = rec[phase]
         per_s = (toks["response"] if phase == "gen" else toks["all"]) / s if s else 0.0
-        gf = flops[phase] / s / 1e9 if phase in flops and s else None
         ref = ref_of.get(phase)
-        print(f"{phase:<14} {s:>8.3f} {per_s:>9.0f} {'' if gf is None else f'{gf:8.1f}':>8} "
-              f"{'' if gf is None else f'{100 * gf * 1e9 / peak:6.0f}%':>7} {'' if ref is None else f'{ref:8.3f}':>8} "
-              f"{'' if ref is None else f'{s / ref:6.2f}':>6}")
+        print(f"{phase:<14} {s:>8.3f} {per_s:>9.0f} {f'{mfu[phase]:6.1%}' if phase in mfu else '':>6} "
+              f"{'' if ref is None else f'{ref:8.3f}':>8} {'' if ref is None else f'{s / ref:6.2f}':>6}")
+    print(f"the run's own perf/mfu/actor (the update timed inside the worker): {mfu['perf/mfu/actor']:.1%}")
     print("engine's own generate: " + ", ".join(f"{k} {v:.3f} s" for k, v in refs.items() if k.startswith("engine")))
     print(f"step with old_log_probs=recompute {rec['step']:.3f} s, ={other} {upd['step']:.3f} s "
           f"({rec['step'] / upd['step']:.2f}x)")
@@ -197,11 +198,10 @@ def report(size: str, dtype: str, m: dict, peak: float) -> None:
 
 def main(bench: BenchConfig) -> None:
     results = {(size, dtype): measure(size, dtype, bench) for size in bench.sizes for dtype in bench.dtypes}
-    peaks = {dtype: matmul_peak(DTYPES[dtype]) for dtype in bench.dtypes}
-    print(f"\nOne GRPO step per phase, one process, mean of {bench.steps} steps after a warm-up; old_log_prob and "
-          "update_actor FLOP/s count 2N and 6N per token (all tokens: prompt + response)")
+    print(f"\nOne GRPO step per phase, one process, mean of {bench.steps} steps after a warm-up; MFU counts the model "
+          "FLOPs of every token (prompt + response) as perf.py does")
     for (size, dtype), m in results.items():
-        report(size, dtype, m, peaks[dtype])
+        report(size, dtype, m)
 
 
 if __name__ == "__main__":

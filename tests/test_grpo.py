@@ -41,7 +41,7 @@ def test_run_outputs(run):
     expected = {"timing_s/gen", "timing_s/update_actor", "timing_s/reshard", "timing_s/step",
                 "perf/throughput", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
                 "actor/grad_norm", "critic/score/mean", "response_length/mean", "rollout/logprob_diff_max",
-                "rollout/logprob_diff_mean", "reshard/bytes", "reshard/buckets", "perf/max_memory_rss_gb",
+                "rollout/logprob_diff_mean", "reshard/bytes", "reshard/buckets", "perf/max_memory_gb/reshard",
                 "reshard/max_memory_extra_gb", "reshard/probe_logprob_diff_max"}
     for r in lines[1:]:
         assert expected <= r.keys(), expected - r.keys()

@@ -18,6 +18,7 @@ from dist_hybrid import BF16_TOL, CORRUPT, STEPS
 from transformers import Qwen2ForCausalLM
 
 import hybrid_engine
+import perf
 from conftest import TINY
 from sft import build_byte_tokenizer, build_tiny_qwen2
 from sharding import weight_groups
@@ -61,8 +62,8 @@ def test_verified_syncs_after_training(run, kind):
             assert metrics["reshard/bytes"] == model_bytes(model, itemsize)  # bf16 moves half the bytes
             assert metrics["reshard/buckets"] == len(weight_groups(model))  # by default one layer a bucket
             # the peak holds at least the engine's full copy, and the extra is part of it
-            assert metrics["perf/max_memory_rss_gb"] * hybrid_engine.GB >= model_bytes(model, itemsize)
-            assert 0 <= metrics["reshard/max_memory_extra_gb"] < metrics["perf/max_memory_rss_gb"]
+            assert metrics["perf/max_memory_gb/reshard"] * perf.GB >= model_bytes(model, itemsize)
+            assert 0 <= metrics["reshard/max_memory_extra_gb"] < metrics["perf/max_memory_gb/reshard"]
         # the training moved the weights and the engine followed
         moved = (torch.tensor(res["probe_after"]) - torch.tensor(res["probe_before"])).abs().max()
         assert moved > 1e-2
@@ -114,9 +115,9 @@ def test_peak_memory_sees_a_freed_allocation():
     """The reshard memory metrics' probe: a 256 MB tensor touched and freed between reset and read shows in the
     peak (VmHWM), though the memory in use afterwards is back to where it was."""
     device = torch.device("cpu")
-    at_entry = hybrid_engine.reset_peak_memory(device)
+    at_entry = perf.reset_peak_memory(device)
     block = torch.ones(64 << 20)  # 256 MB of fp32, written: resident
     del block
-    assert hybrid_engine.peak_memory(device) - at_entry >= 250 << 20
-    hybrid_engine.reset_peak_memory(device)  # a new high-water mark forgets it
-    assert hybrid_engine.peak_memory(device) < at_entry + (250 << 20)
+    assert perf.peak_memory(device) - at_entry >= 250 << 20
+    perf.reset_peak_memory(device)  # a new high-water mark forgets it
+    assert perf.peak_memory(device) < at_entry + (250 << 20)

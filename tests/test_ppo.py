@@ -3,7 +3,9 @@
     python -m pytest tests/test_ppo.py -q
 """
 
+import importlib.util
 import math
+import os
 from dataclasses import replace
 from typing import get_args
 
@@ -11,16 +13,18 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from comm import init_distributed
+from comm import init_distributed, timer
 from conftest import toy_config
 from config import Config
 from core_algos import AggMode, grpo_advantages
 from hybrid_engine import HybridConfig
+from perf import OutOfMemory, model_shape, peak_flops
 from ppo import policy_loss_mask
 from sft import SFTConfig, build_tiny_qwen2
 from workers import ActorWorker, CriticWorker
 
 MODES = list(get_args(AggMode))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +141,7 @@ def test_old_log_probs_from_the_update_or_the_engine_match_the_recomputed(model_
         if mode != "recompute":
             del batch["old_log_probs"]
         runs[mode] = worker.update(batch), params(worker), gap
-    (m_ref, p_ref, gap), (m_upd, p_upd, _), (m_roll, p_roll, _) = runs["recompute"], runs["update"], runs["rollout"]
+    (m_ref, p_ref, gap), (m_upd, p_upd, _), (m_roll, _, _) = runs["recompute"], runs["update"], runs["rollout"]
     for k in p_ref:
         torch.testing.assert_close(p_upd[k], p_ref[k], atol=1e-6, rtol=0)
     assert m_upd["actor/pg_loss"] == pytest.approx(m_ref["actor/pg_loss"], abs=1e-6)
@@ -356,3 +360,77 @@ def test_gradient_checkpointing_gives_the_same_update(model_path):
     assert norm_ckpt == pytest.approx(norm, rel=1e-5)
     for k in plain:
         torch.testing.assert_close(ckpt[k], plain[k], atol=1e-6, rtol=1e-5)
+
+
+def injected_oom(fn, at: int):
+    """fn, except that its call number `at` raises the out-of-memory a device would (once)."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def test_an_out_of_memory_names_the_phase_the_micro_batch_and_the_knobs(model_path):
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                     ppo_mini_batch_size=4, ppo_micro_batch_size=4, max_response_length=6)
+    worker = ActorWorker(cfg, model_path, init_distributed())
+    batch = make_batch(worker)
+    worker.micro_batch_loss = injected_oom(worker.micro_batch_loss, at=3)
+    with pytest.raises(OutOfMemory, match=r"out of memory in actor update_actor: micro-batch 3 of 4 \(4 sequences, "
+                                          r"\d+ tokens\) under ppo_micro_batch_size=4\. Lower --ppo-micro-batch-size "
+                                          r"\(--oom-retry halves it and retries\), or turn on --gradient-checkpointing"):
+        worker.update(batch)
+    worker.micro_batch_loss = lambda *a, **k: (_ for _ in ()).throw(ValueError("not memory"))
+    with pytest.raises(ValueError, match="not memory"):  # any other error goes up as it was
+        worker.update(batch)
+
+
+def test_oom_retry_halves_the_budget_and_changes_nothing(model_path, capsys):
+    """An out-of-memory injected into the update's second micro-batch and the log-prob pass's first, under
+    --oom-retry: each phase reruns with half the token budget (which stays), and the log-probs and the updated
+    weights equal a run that met no error."""
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                     ppo_mini_batch_size=4, max_response_length=6, use_dynamic_bsz=True,
+                     ppo_max_token_len_per_gpu=64, log_prob_max_token_len_per_gpu=64, oom_retry=True)
+    plain, hit = (ActorWorker(cfg, model_path, init_distributed()) for _ in range(2))
+    batch = make_batch(plain)
+    hit.micro_batch_loss = injected_oom(hit.micro_batch_loss, at=2)
+    metrics = {"plain": plain.update(batch.clone()), "hit": hit.update(batch.clone())}
+    assert metrics["hit"]["actor/num_micro_batches"] > metrics["plain"]["actor/num_micro_batches"]
+    for k, v in params(plain).items():
+        torch.testing.assert_close(params(hit)[k], v, atol=1e-6, rtol=1e-5)
+    import workers
+    forward = workers.response_log_probs
+    workers.response_log_probs = injected_oom(forward, at=1)
+    try:
+        torch.testing.assert_close(hit.log_probs(batch), plain.log_probs(batch), atol=1e-6, rtol=1e-5)
+    finally:
+        workers.response_log_probs = forward
+    assert hit.limits == {"update_actor": 32, "old_log_prob": 32}
+    assert hit.perf()["perf/oom_retries/actor"] == 2.0 and plain.perf()["perf/oom_retries/actor"] == 0.0
+    out = capsys.readouterr().out
+    assert "[oom-retry] out of memory in actor update_actor: micro-batch 2 of" in out
+    assert "retrying with log_prob_max_token_len_per_gpu=32" in out
+
+
+def test_mfu_matches_the_bench_on_the_same_step(model_path):
+    """perf/mfu/actor (the update timed inside the worker) against bench/step.py's figure for the same update (the
+    controller's timer): the same FLOPs and peak, so within 10%; and a sane share of the peak."""
+    spec = importlib.util.spec_from_file_location("bench_step", os.path.join(ROOT, "bench", "step.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=8, train_batch_size=4,
+                     ppo_mini_batch_size=4, max_response_length=6)
+    worker = ActorWorker(cfg, model_path, init_distributed())
+    batch = make_batch(worker)
+    timed = {}
+    with timer("update_actor", timed):
+        metrics = worker.update(batch)
+    figure = bench.phase_mfu(timed, batch, model_shape(worker.model), peak_flops(worker.dist.device, torch.float32))
+    assert 0 < metrics["perf/mfu/actor"] < 1
+    assert metrics["perf/mfu/actor"] == pytest.approx(figure, rel=0.1)
+    assert worker.perf()["perf/max_memory_gb/update_actor"] > 0

@@ -16,6 +16,7 @@
 """
 
 import json
+import math
 import os
 import re
 import signal
@@ -91,6 +92,15 @@ def test_two_ranks_log_what_one_process_logs(tiny_rl_setup, two_ranks, tmp_path)
     for key in ("critic/score/mean", "response_length/mean"):
         assert one[1][key] == pytest.approx(two[1][key], abs=1e-6), key
     assert all(os.path.isfile(d / "final" / "adapter" / "adapter_model.safetensors") for d in (tmp_path, two_ranks))
+    # what the step cost (perf.py), every step: MFU, per-phase memory, the all-reduce probe, the KV cache's use
+    phases = ("gen", "reshard", "old_log_prob", "ref", "update_actor")
+    for r in two[1:]:
+        for key in ("perf/mfu/actor", "perf/allreduce_ms", "rollout/kv_cache_usage_max", "rollout/preemptions",
+                    "perf/overhead_share", *(f"perf/max_memory_gb/{p}" for p in phases)):
+            assert math.isfinite(r[key]), (key, r)
+        assert 0 < r["perf/mfu/actor"] < 1 and r["perf/allreduce_ms"] > 0 and 0 < r["rollout/kv_cache_usage_max"] <= 1
+        assert 0 <= r["perf/overhead_share"] < 1 and r["perf/max_memory_gb/update_actor"] > 0.1  # GB: a process's RSS
+    assert one[1]["perf/allreduce_ms"] == 0.0  # one process: no collective to time
 
 
 def test_two_rank_checkpoint_resumes_in_one_process(tiny_rl_setup, two_ranks):

@@ -265,7 +265,8 @@ def test_an_unreadable_checkpoint_is_named_and_the_previous_one_resumes(tiny_rl_
     summary = json.loads((tmp_path / "whole" / "summary.json").read_text())  # the run summary, at the end
     assert summary["steps"] == 6 and summary["skipped_steps"] == 0 and summary["tokens_per_s_per_rank"] > 0
     assert 0 < summary["phase_share"]["gen"] < 1 and 0 < summary["phase_share"]["update_actor"] < 1
-    assert os.path.isdir(summary["best_checkpoint"]) and summary["peak_memory_gb"] > 0
+    assert os.path.isdir(summary["best_checkpoint"]) and summary["peak_memory_gb"]["update_actor"] > 0
+    assert 0 < summary["mfu"]["actor"] < 1 and 0 <= summary["overhead_share"] < 1
     assert summary["best_val_accuracy"] == max(r["val/accuracy"] for r in map(json.loads, open(
         tmp_path / "whole" / "metrics.jsonl")) if "val/accuracy" in r)
     train(cfg("broken", 4))
