@@ -4,9 +4,9 @@ loop as torchrun (ppo.rl_step, ppo.loop) over worker groups of Ray actors, each 
     python ray_trainer.py                                    # local Ray, GRPO, 2 colocated workers on this CPU
     python ray_trainer.py --adv-estimator gae --ray.placement split --ray.cpus-per-worker 0.5   # PPO, critic apart
     python ray_trainer.py --help                             # config.Config's fields, plus --ray.* below
-    ray start --head                                         # a real cluster: on the head node ...
-    ray start --address HEAD_IP:6379                         # ... and on every other node, then on the head:
-    python ray_trainer.py --ray.address auto --ray.workers 16 --model-path ...   # one worker a GPU, on any nodes
+    python ray_trainer.py --ray.dashboard                    # the same, with Ray's dashboard (its URL is printed)
+    sbatch --nodes=2 scripts/slurm_ray.sh --model-path ...   # a Slurm job: a Ray cluster, one worker a GPU
+    python ray_trainer.py --ray.address auto --ray.workers 16 --model-path ...   # a cluster you started (ray start)
     python ray_trainer.py --ray.workers 1 --async.rollout-workers 1       # a rollout pool of its own, one-step-off
     python ray_trainer.py --ray.workers 1 --async.rollout-workers 1 --async.staleness 0   # the same pools, in turn
     python bench/async.py                                    # colocated vs split vs one-step-off, the ideal overlap
@@ -81,6 +81,9 @@ class RayConfig:
     """How a pool's bundles spread over the nodes (Ray's placement strategies)."""
     address: str | None = None
     """None: start a local Ray instance; auto: join the running cluster (ray start); or a head's address."""
+    dashboard: bool = False
+    """A local Ray instance (address None) starts Ray's dashboard (http://127.0.0.1:8265 unless taken); either way the
+    dashboard's URL is printed when there is one (a cluster's: scripts/slurm_ray.sh starts it on the head)."""
     call_timeout_s: float = 1800.0
     """A worker-group call with no answer in this time counts as a dead worker (a restart)."""
     max_restarts: int = 3
@@ -652,8 +655,11 @@ def train(rc_all: RayTrainerConfig) -> list[dict]:
     os.makedirs(cfg.out_dir, exist_ok=True)
     if not ray.is_initialized():
         env = {"PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}  # the workers import ours
-        ray.init(address=rc.address, runtime_env={"env_vars": env}, include_dashboard=False,
-                 **({} if rc.address else {"num_cpus": max(os.cpu_count() or 1, 2)}))
+        context = ray.init(address=rc.address, runtime_env={"env_vars": env}, include_dashboard=rc.dashboard,
+                           **({} if rc.address else {"num_cpus": max(os.cpu_count() or 1, 2)}))
+        if context.dashboard_url:
+            url = context.dashboard_url
+            print(f"[ray] dashboard: {url if '://' in url else 'http://' + url}", flush=True)
     model_path, train_files, val_files = warm_start_and_task_files(cfg, init_distributed())  # the driver: no group
     task = load_task(cfg, model_path, train_files, val_files, 1)  # bad data: named before any worker starts
     restarts = 0
