@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -61,6 +62,7 @@ def test_the_slurm_script_runs_a_pool_across_two_local_nodes(tiny_rl_setup, tmp_
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # local mode, even inside a Slurm job
     env.update(NODES="2", PORT=str(port), RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled", JOIN_TIMEOUT_S="120")
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])  # this python's ray, python
     run = {**BUILTIN_TASK, **tiny_rl_setup, "train_batch_size": 8, "ppo_mini_batch_size": 4, "rollout_n": 4,
            "max_response_length": 6, "total_steps": 2, "eval_every": 2, "adv_estimator": "grpo",
            "out_dir": str(tmp_path)}  # conftest.toy_config's run, as flags (with --model-path no task values apply)
