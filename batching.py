@@ -1,4 +1,4 @@
-"""Dynamic batching: balanced DP ranks, token-budget micro-batches, remove-padding (packing) and its inverse.
+"""Dynamic batching: balanced DP ranks, token-budget micro-batches, padding, remove-padding (packing) and back.
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_batching.py -q     # packed == padded, gradients, budgets, balance
     OMP_NUM_THREADS=1 python bench/batching.py                       # padding and update time: fixed vs dynamic
@@ -11,6 +11,7 @@ This file splits, packs, unpacks and balances; it knows nothing about RL. The AP
     batch, metrics = balance_ranks(batch, seqlens, workloads, dist, unit=n)   # rows re-dealt across dp ranks
     batch, metrics = balance_whole(batch, seqlens, workloads, k, unit=n)      # the same, one process holding all
     parts = micro_batches(seqlens, max_tokens, dist)           # index lists, <= max_tokens each, same count on all ranks
+    ids, mask = pad(token_lists, pad_id, left=True)             # [B, T] each: the one way a batch is padded
     packed = pack(input_ids, attention_mask)                    # [b, T] -> one row [1, N], position_ids restart
     keep = (packed.where[:, -R - 1 : -1] >= 0) & response_mask  # [b, R]: the positions that predict response tokens
     values = unpack(per_token[packed.where[keep]], keep)        # [N, ...] -> [b, R, ...], 0 at padding
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as tdist
 from tensordict import TensorDict
 
-from comm import Dist, reduce_metrics
+from comm import Dist, all_max
 
 # ---------------------------------------------------------------------------------------------------
 # Partitioning: Karmarkar-Karp and workloads
@@ -202,15 +203,26 @@ def micro_batches(seqlens: torch.Tensor, max_tokens: int, dist: Dist) -> list[li
     lengths = seqlens.tolist()
     parts = split_by_tokens(lengths, max_tokens)
     while True:
-        counts = reduce_metrics({"n/max": len(parts), "n/min": len(parts)}, dist)
-        if counts["n/min"] == counts["n/max"]:
+        most, fewest = all_max([len(parts), -len(parts)], dist)
+        if -fewest == most:
             return parts
-        parts = split_by_tokens(lengths, max_tokens, min_count=int(counts["n/max"]))
+        parts = split_by_tokens(lengths, max_tokens, min_count=int(most))
 
 
 # ---------------------------------------------------------------------------------------------------
-# Remove padding: packing and unpacking
+# Padding, and removing it: packing and unpacking
 # ---------------------------------------------------------------------------------------------------
+
+
+def pad(rows: list[list], value, width: int | None = None, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of different lengths as one tensor [B, T] (T: width, else the longest row), filled with value on the right
+    (left: on the left, as prompts are for generation), and the mask [B, T] of the real entries, made from the
+    lengths (a pad id may also be a real token, e.g. EOS)."""
+    T = max(map(len, rows), default=0) if width is None else width
+    fill = [T - len(r) for r in rows]
+    values = torch.tensor([[value] * f + list(r) if left else list(r) + [value] * f for r, f in zip(rows, fill)])
+    mask = torch.tensor([[0] * f + [1] * len(r) if left else [1] * len(r) + [0] * f for r, f in zip(rows, fill)])
+    return values.view(len(rows), T), mask.view(len(rows), T)  # [B, T] each (also when T is 0)
 
 
 @dataclass

@@ -7,10 +7,11 @@
 API (the whole of it):
     dist = init_distributed(timeout_s=1800)               # -> Dist(rank, world_size, local_rank, device, mesh, is_main)
     dist.dp_rank, dist.dp_size                            # this rank's data shard: split batches by these
-    reduce_metrics({"actor/pg_loss": x, "response_length/max": m, "tokens": n}, dist, sum_keys=("tokens",))
-        # mean by default; max for keys ending in /max or holding max_memory; min for /min; sum for sum_keys
+    reduce_metrics({"actor/pg_loss": x, "response_length/max": Max(m), "tokens": Sum(n)}, dist)
+        # each value reduced over the ranks as its type declares: Sum, Max, Min, or a plain number (the mean)
+    combine_metrics([rank0_metrics, rank1_metrics])       # reduce_metrics' numbers, from a list in one process
     all_sum = all_sum_fn(dist)                            # t -> t summed over the dp ranks (None in one process)
-    combine_metrics([rank0_metrics, rank1_metrics], sum_keys)   # reduce_metrics' numbers, from a list in one process
+    all_max([width, count], dist)                         # each value's largest over the ranks: what they agree on
     obj = broadcast_object(obj, dist, src=0)               # every rank gets src's python object
     group = side_group(("10.0.0.1", 29600), rank, size, device, timeout_s)   # a group beside the default one
     broadcast(group, tensor, root=0)                      # over such a group (the rollout pool's weight sync)
@@ -87,39 +88,69 @@ def init_distributed(timeout_s: int = 1800) -> Dist:
     return Dist(rank, world, local_rank, device, mesh, rank == 0)
 
 
-def _reduce_op(key: str, sum_keys) -> str:
-    if key in sum_keys:
-        return "sum"
-    if key.endswith(("/max", "_max")) or "max_memory" in key:  # e.g. rollout/logprob_diff_max
-        return "max"
-    if key.endswith(("/min", "_min")):
-        return "min"
-    return "mean"
+class Sum(float):
+    """A metric value that the ranks add up (a count). How a metric is reduced over the ranks is declared where it
+    is made, by its type: Sum, Max, Min, or a plain number (the mean); never by its name."""
+
+    op = "sum"
 
 
-def reduce_metrics(metrics: dict[str, float], dist: Dist, sum_keys: tuple[str, ...] = ()) -> dict[str, float]:
-    """The same dict on every dp rank, each value reduced by its key's op. Every rank must pass the same keys."""
+class Max(float):
+    """A metric value whose reduction over the ranks (and over micro- and mini-batches) is the largest."""
+
+    op = "max"
+
+
+class Min(float):
+    """A metric value whose reduction over the ranks is the smallest."""
+
+    op = "min"
+
+
+REDUCTIONS = {"sum": (torch.sum, Sum), "max": (torch.amax, Max), "min": (torch.amin, Min), "mean": (torch.mean, float)}
+
+
+def reduce_metrics(metrics: dict[str, float], dist: Dist) -> dict[str, float]:
+    """The same dict on every dp rank, each value reduced by the op its type declares (Sum, Max, Min; else the
+    mean), and of that type still. Every rank must pass the same keys, with the same types."""
     if dist.mesh is None:
-        return {k: float(v) for k, v in metrics.items()}
+        return {k: _kind(v)(v) for k, v in metrics.items()}
     keys = sorted(metrics)  # same order on every rank
     # one all_gather of a packed vector instead of one collective per key; float64 keeps token counts exact
     local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=dist.device)  # [K]
     gathered = torch.empty(dist.dp_size * len(keys), dtype=torch.float64, device=dist.device)  # [dp * K]
     tdist.all_gather_into_tensor(gathered, local, group=dist.mesh["dp"].get_group())
-    return _reduce_rows(gathered.view(dist.dp_size, len(keys)).cpu(), keys, sum_keys)  # [dp, K]
+    return _reduce_rows(gathered.view(dist.dp_size, len(keys)).cpu(), keys, metrics)  # [dp, K]
 
 
-def combine_metrics(per_rank: list[dict[str, float]], sum_keys: tuple[str, ...] = ()) -> dict[str, float]:
+def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """reduce_metrics for a process that holds every rank's metrics (a single controller): the same numbers."""
     keys = sorted(per_rank[0])
     return _reduce_rows(torch.tensor([[float(m[k]) for k in keys] for m in per_rank], dtype=torch.float64), keys,
-                        sum_keys)
+                        per_rank[0])
 
 
-def _reduce_rows(rows: torch.Tensor, keys: list[str], sum_keys) -> dict[str, float]:
-    """Each column of rows [ranks, K] reduced by its key's op."""
-    reduce = {"sum": torch.sum, "max": torch.amax, "min": torch.amin, "mean": torch.mean}
-    return {k: reduce[_reduce_op(k, sum_keys)](rows[:, i]).item() for i, k in enumerate(keys)}
+def _kind(value) -> type:
+    return type(value) if isinstance(value, (Sum, Max, Min)) else float
+
+
+def _reduce_rows(rows: torch.Tensor, keys: list[str], example: dict) -> dict[str, float]:
+    """Each column of rows [ranks, K] reduced by the op of example[key]'s type."""
+    out = {}
+    for i, k in enumerate(keys):
+        reduce, kind = REDUCTIONS[getattr(example[k], "op", "mean")]
+        out[k] = kind(reduce(rows[:, i]).item())
+    return out
+
+
+def all_max(values: list[float], dist: Dist) -> list[float]:
+    """Each value's largest over the dp ranks (a collective: every rank passes as many): what the ranks must agree
+    on, e.g. the padded widths of a batch whose rows may move between them."""
+    if dist.mesh is None:
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=dist.device)  # [K]
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=dist.mesh["dp"].get_group())
+    return t.tolist()
 
 
 def all_sum_fn(dist: Dist):

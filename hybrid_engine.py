@@ -51,7 +51,7 @@ import torch
 import torch.distributed as tdist
 from torch.distributed.tensor import DTensor, Shard
 
-from comm import Dist, timer
+from comm import Dist, Max, timer
 from perf import GB, peak_memory, reset_peak_memory
 from core_algos import token_log_probs
 from sharding import Merged, cast_dtype, full_tensor, full_weights, weight_groups
@@ -125,11 +125,11 @@ class HybridEngine:
                     metrics["reshard/bytes"], metrics["reshard/buckets"] = self._stream(received)
                 self.rollout.wake_up(tags=["kv_cache"])
             peak = peak_memory(self.dist.device)
-            metrics["perf/max_memory_gb/reshard"] = peak / GB
+            metrics["perf/max_memory_gb/reshard"] = Max(peak / GB)
             metrics["reshard/max_memory_extra_gb"] = (peak - at_entry) / GB
             if self.cfg.verify_sync:  # the checksums of what this sync sent (LoRA: the frozen rest was checked once)
                 checksums = {name: value for name, value in expected[0].items() if name in self.sent}
-                metrics["reshard/probe_logprob_diff_max"] = self._verify(checksums, expected[1], received)
+                metrics["reshard/probe_logprob_diff_max"] = Max(self._verify(checksums, expected[1], received))
             yield
         finally:  # also when the sync or its verification failed: the worker goes back to train mode
             self.rollout.sleep()

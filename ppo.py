@@ -35,8 +35,8 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from batching import balance_ranks, flops_workload
-from comm import (Dist, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics, shutdown, timer,
-                  watch_ranks)
+from comm import (Dist, Max, Min, Sum, all_max, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics,
+                  shutdown, timer, watch_ranks)
 from config import START_HERE, Config, split_files, with_task_values
 from core_algos import compute_advantages, kl_in_reward, last_token, overlong_penalty, rollout_mask, update_kl_coef
 from data import RLDataset, load_reward_fn, load_tokenizer, score_responses
@@ -45,11 +45,7 @@ from rollout import COUNTS, sample_seed
 from sharding import (begin_checkpoint, checkpoint_problem, commit_checkpoint, find_latest, prune_checkpoints,
                       readable_checkpoint)
 from tracking import Tracking
-from workers import ActorWorker, CriticWorker, pad_batch, response_lengths
-
-SUM_KEYS = ("actor/over_budget_seqs", "critic/over_budget_seqs", "dynamic/kept_groups", "dynamic/dropped_groups",
-            "dynamic/filled_groups")  # counts: summed over ranks, not averaged
-
+from workers import ActorWorker, CriticWorker, batch_widths, pad_batch, response_lengths
 
 # ---------------------------------------------------------------------------------------------------
 # The controller: how the step's batch relates to the data-parallel ranks
@@ -70,9 +66,13 @@ class SPMD:
         """Rows re-dealt across the ranks by workload, in units of `unit` rows (batching.balance_ranks)."""
         return balance_ranks(batch, seqlens, workloads, self.dist, unit)
 
-    def reduce(self, metrics: dict, sum_keys: tuple[str, ...] = SUM_KEYS) -> dict:
-        """The same metrics on every rank: sums for sum_keys, else by the key's name (comm.reduce_metrics)."""
-        return reduce_metrics(metrics, self.dist, sum_keys)
+    def reduce(self, metrics: dict) -> dict:
+        """The same metrics on every rank, each reduced as its type declares (comm.reduce_metrics)."""
+        return reduce_metrics(metrics, self.dist)
+
+    def all_max(self, values: list[float]) -> list[float]:
+        """Each value's largest over the ranks: what they must agree on (comm.all_max)."""
+        return all_max(values, self.dist)
 
     def run_all(self, calls: dict, batch: TensorDict, metrics: dict) -> dict:
         """{key: method(batch)} for calls {key: (timer name, method)}, one after the other (each a collective over
@@ -280,7 +280,7 @@ def rollout_and_score(step: int, rows: list[dict], run: Run, metrics: dict) -> T
         informative = spread.max(-1).values > spread.min(-1).values  # [groups]
         for g, good in enumerate(informative.tolist()):
             (keep if good else spare).append(batch[g * n : (g + 1) * n])
-        short = ctl.reduce({"dynamic/short/max": max(0, len(rows) - len(keep))})["dynamic/short/max"]
+        short = ctl.all_max([max(0, len(rows) - len(keep))])[0]  # the rank that lacks the most groups
         if short == 0 or rounds == cfg.max_gen_rounds:
             break
         generator = torch.Generator().manual_seed(sample_seed(cfg.seed, step, -rounds))  # round r's prompts
@@ -288,8 +288,8 @@ def rollout_and_score(step: int, rows: list[dict], run: Run, metrics: dict) -> T
         picks = torch.randperm(len(run.train_ds), generator=generator)[start : start + len(rows)].tolist()
         batch = generate_and_score(step, [run.train_ds[i] for i in picks], run, metrics, rounds * len(run.train_ds))
     filled = max(0, len(rows) - len(keep))
-    metrics.update({"dynamic/rounds": rounds, "dynamic/kept_groups": min(len(keep), len(rows)),
-                    "dynamic/dropped_groups": len(spare), "dynamic/filled_groups": filled})
+    metrics.update({"dynamic/rounds": rounds, "dynamic/kept_groups": Sum(min(len(keep), len(rows))),
+                    "dynamic/dropped_groups": Sum(len(spare)), "dynamic/filled_groups": Sum(filled)})
     return repad(keep[: len(rows)] + spare[:filled], ctl, run.tokenizer.pad_token_id)
 
 
@@ -299,10 +299,9 @@ def repad(groups: list[TensorDict], ctl, pad_id: int) -> TensorDict:
     rows = [g[i] for g in groups for i in range(g.batch_size[0])]
     prompts = [r["prompts"][r["attention_mask"][: r["prompts"].shape[0]].bool()].tolist() for r in rows]
     lengths = torch.cat([response_lengths(g) for g in groups]).tolist()
-    widths = ctl.reduce({"P/max": max(map(len, prompts)), "R/max": max(1, max(lengths))})
-    batch = pad_batch(prompts, [r["responses"][:k].tolist() for r, k in zip(rows, lengths)],
-                      [r["rollout_log_probs"][:k].tolist() for r, k in zip(rows, lengths)], pad_id,
-                      (int(widths["P/max"]), int(widths["R/max"])),
+    responses = [r["responses"][:k].tolist() for r, k in zip(rows, lengths)]
+    batch = pad_batch(prompts, responses, [r["rollout_log_probs"][:k].tolist() for r, k in zip(rows, lengths)], pad_id,
+                      batch_widths(prompts, responses, ctl.all_max),
                       [r["response_mask"][:k].tolist() for r, k in zip(rows, lengths)])
     for key in ("index", "scores", "version", *COUNTS):
         if key in rows[0].keys():
@@ -344,7 +343,7 @@ def staleness(versions: torch.Tensor, version: int, bound: int) -> dict:
     if behind.max() > bound:
         raise RuntimeError(f"{int((behind > bound).sum())} samples come from weights {int(behind.max())} updates "
                            f"behind the trainer's (version {version}), more than async.staleness={bound}")
-    return {"async/staleness/mean": behind.float().mean().item(), "async/staleness/max": behind.max().item(),
+    return {"async/staleness/mean": behind.float().mean().item(), "async/staleness/max": Max(behind.max().item()),
             "async/stale_share": (behind > 0).float().mean().item()}
 
 
@@ -356,10 +355,10 @@ def evaluate(run: Run) -> dict:
     else:
         batch, _ = run.actor.generate([r["prompt_ids"] for r in run.val_rows], seeds=None, greedy=True)
         batch["scores"] = score(batch, run.val_rows, run.tokenizer, run.reward_fn)  # [B]
-    local = {"correct": batch["scores"].sum().item(), "n": len(run.val_rows)}
+    local = {"correct": Sum(batch["scores"].sum().item()), "n": Sum(len(run.val_rows))}
     if "tool_calls" in batch.keys():
-        local["called"] = (batch["tool_calls"] > 0).sum().item()
-    total = run.ctl.reduce(local, sum_keys=tuple(local))
+        local["called"] = Sum((batch["tool_calls"] > 0).sum().item())
+    total = run.ctl.reduce(local)
     out = {"val/accuracy": total["correct"] / total["n"]}
     if "called" in total:
         out["val/tool_call_rate"] = total["called"] / total["n"]
@@ -368,7 +367,7 @@ def evaluate(run: Run) -> dict:
 
 def stats(name: str, x: torch.Tensor) -> dict:
     """verl's name/mean, name/max, name/min of x."""
-    return {f"{name}/mean": x.mean().item(), f"{name}/max": x.max().item(), f"{name}/min": x.min().item()}
+    return {f"{name}/mean": x.mean().item(), f"{name}/max": Max(x.max().item()), f"{name}/min": Min(x.min().item())}
 
 
 def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
@@ -380,7 +379,7 @@ def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
     out = stats("critic/score", batch["scores"])  # [B]: one per response
     if "old_log_probs" in batch.keys():  # recomputed (else the actor's update measures the gap)
         gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask  # [B, R]
-        out["rollout/logprob_diff_max"] = gap.max().item()
+        out["rollout/logprob_diff_max"] = Max(gap.max().item())
         out["rollout/logprob_diff_mean"] = (gap.sum() / mask.sum().clamp(min=1)).item()
     for name in ("advantages", "returns", "values"):  # [B, R]: over the real tokens
         if name in batch.keys():
@@ -397,7 +396,7 @@ def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
     return {
         **out,
         "response_length/mean": lengths.mean().item(),
-        "response_length/max": lengths.max().item(),
+        "response_length/max": Max(lengths.max().item()),
         "response_length/clip_ratio": (lengths >= max_response_length).float().mean().item(),
         "prompt_length/mean": (batch["attention_mask"].sum(-1) - lengths).float().mean().item(),
     }

@@ -51,10 +51,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tensordict import TensorDict
 
 from batching import balance_whole
-from comm import barrier, combine_metrics, init_distributed, shutdown, timer
+from comm import Max, barrier, combine_metrics, init_distributed, shutdown, timer
 from config import Config, with_task_values
 from data import load_reward_fn, load_tokenizer
-from ppo import SUM_KEYS, check_out_dir, load_task, loop, make_run, score, warm_start_and_task_files
+from ppo import check_out_dir, load_task, loop, make_run, score, warm_start_and_task_files
 from rollout import RolloutOutput
 from workers import ActorWorker, CriticWorker, RolloutWorker, pad_batch
 
@@ -204,7 +204,7 @@ def _join(parts: list):
     if isinstance(first, TensorDict) or torch.is_tensor(first):
         return torch.cat(parts)
     if isinstance(first, dict):
-        return combine_metrics(parts, SUM_KEYS)
+        return combine_metrics(parts)
     return first  # ONE_TO_ALL: rank 0's answer
 
 
@@ -353,9 +353,8 @@ class Driver:
     def balance(self, batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Tensor, unit: int):
         return balance_whole(batch, seqlens, workloads, self.ranks, unit)
 
-    def reduce(self, metrics: dict, sum_keys: tuple[str, ...] = SUM_KEYS) -> dict:
-        """The metrics as they are (worker groups reduced theirs over the ranks, so sum_keys has nothing left to
-        sum), with the controller's own."""
+    def reduce(self, metrics: dict) -> dict:
+        """The metrics as they are (worker groups reduced theirs over the ranks), with the controller's own."""
         out = {k: float(v) for k, v in metrics.items()}
         if "perf/throughput" in out:  # tokens per second per rank, as torchrun reports it
             out["perf/throughput"] /= self.ranks
@@ -364,6 +363,10 @@ class Driver:
             out["ray/driver_bytes"], self.bytes_moved = float(self.bytes_moved), 0
             out.update(self.pipeline(metrics["timing_s/step"]))
         return {**out, "ray/restarts": float(self.restarts)}
+
+    def all_max(self, values: list[float]) -> list[float]:
+        """The values as they are: the driver holds the whole batch, there is nothing to agree on."""
+        return [float(v) for v in values]
 
     def run_all(self, calls: dict, batch: TensorDict, metrics: dict) -> dict:
         """{key: method(batch)} for calls {key: (timer name, group method)}: all started, then all awaited (each
@@ -580,7 +583,7 @@ class RolloutPool:
             expected = self.actor.sync_expectation()  # [checksums, probe log-probs]: rank 0's
             gaps = self.group.call_each("verify", [tuple(expected)] * n)
             gaps.result()  # an engine whose check failed raises here
-            metrics["sync/probe_logprob_diff_max"] = max(ray.get(gaps.refs))  # each engine's gap
+            metrics["sync/probe_logprob_diff_max"] = Max(max(ray.get(gaps.refs)))  # each engine's gap
         return metrics
 
     # ---- generation ----

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
+from batching import pad
+from comm import Max, Sum
 from core_algos import token_log_probs
 
 logger = logging.getLogger(__name__)
@@ -142,15 +144,15 @@ class VLLMRollout:
         logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
         self._warned_sleep = False
         # the KV cache's use, as vLLM's scheduler reports it after each of its steps (kv_cache_stats)
-        self._kv = {"rollout/kv_cache_usage_max": 0.0, "rollout/preemptions": 0.0}
+        self._kv = {"rollout/kv_cache_usage_max": Max(0.0), "rollout/preemptions": Sum(0.0)}
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
         schedule = scheduler.schedule
 
         def observed_schedule(*args, **kwargs):
             out = schedule(*args, **kwargs)
-            self._kv["rollout/kv_cache_usage_max"] = max(self._kv["rollout/kv_cache_usage_max"],
-                                                         scheduler.kv_cache_manager.usage)
-            self._kv["rollout/preemptions"] += len(out.preempted_req_ids or ())  # evicted for want of KV blocks
+            self._kv["rollout/kv_cache_usage_max"] = Max(max(self._kv["rollout/kv_cache_usage_max"],
+                                                             scheduler.kv_cache_manager.usage))
+            self._kv["rollout/preemptions"] = Sum(self._kv["rollout/preemptions"] + len(out.preempted_req_ids or ()))  # evicted for want of KV blocks
             return out
 
         scheduler.schedule = observed_schedule
@@ -210,7 +212,7 @@ class VLLMRollout:
         """Since the last call: the KV cache's highest use (0-1: the share of its blocks, after a scheduler step) and
         how many requests were preempted for want of blocks (they recompute: a larger --gpu-memory-utilization or
         fewer samples at once avoids it)."""
-        out, self._kv = self._kv, {k: 0.0 for k in self._kv}
+        out, self._kv = self._kv, {"rollout/kv_cache_usage_max": Max(0.0), "rollout/preemptions": Sum(0.0)}
         return out
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -313,13 +315,6 @@ class HFRollout:
     def close(self) -> None:
         """Nothing to release: the model is the trainer's."""
 
-    def left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        T = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad_id] * (T - len(p)) + p for p in prompts], device=self.device)  # [B, T]
-        # from lengths, not from ids != pad: the pad id may also be a real token
-        mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=self.device)  # [B, T]
-        return ids, mask
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int | list[int], temperature: float,
                  top_p: float = 1.0, seeds: list[int] | None = None, ignore_eos: bool = False,
@@ -329,7 +324,7 @@ class HFRollout:
         seeds: the whole call is seeded once from seeds[0] (one batched generate),
         so the same call replays; unlike vLLM, a prompt's samples also depend on the rest of the batch.
         The global RNG is restored afterwards, so the trainer's random stream is untouched."""
-        ids, mask = self.left_pad(prompts)
+        ids, mask = (t.to(self.device) for t in pad(prompts, self.pad_id, left=True))  # [B, T] each
         device, stops = self.device, self.eos_ids + list(stop_token_ids or [])
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         max_tokens = max(budgets)
@@ -373,7 +368,7 @@ class HFRollout:
     @torch.no_grad()
     def prompt_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Teacher-forced log-prob of tokens 1..T-1 of each sequence, under the model's logits."""
-        ids, mask = self.left_pad(sequences)
+        ids, mask = (t.to(self.device) for t in pad(sequences, self.pad_id, left=True))  # [B, T] each
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: left padding must not shift rotary positions
         with eval_mode(self.model):
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits  # [B, T, V]

@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 import tyro
+from batching import pad
 from config import check_paths, split_files
 from data import (RLDataset, default_compute_score, is_message, load_reward_fn, load_tokenizer, score_responses,
                   tokenize_prompt)
@@ -286,14 +287,8 @@ def encode_pairs(tokenizer, pairs, max_length: int) -> list[tuple[list[int], int
 
 def collate(examples, pad_id: int):
     """Right-padded input_ids [B, T], attention_mask [B, T], and labels [B, T] (-100 off the response)."""
-    T = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), T), pad_id)  # [B, T]
-    attention_mask = torch.zeros_like(input_ids)  # [B, T] from the lengths: a pad id may also be a real token (EOS)
-    labels = torch.full((len(examples), T), -100)  # [B, T]
-    for b, (ids, plen) in enumerate(examples):
-        input_ids[b, : len(ids)] = torch.tensor(ids)
-        attention_mask[b, : len(ids)] = 1
-        labels[b, plen : len(ids)] = torch.tensor(ids[plen:])
+    input_ids, attention_mask = pad([ids for ids, _ in examples], pad_id)  # [B, T] each
+    labels, _ = pad([[-100] * plen + ids[plen:] for ids, plen in examples], -100)  # [B, T]
     return input_ids, attention_mask, labels
 
 
@@ -314,9 +309,8 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, rew
     padding)."""
     model.eval()
     prompts = [r["prompt_ids"] for r in rows]
-    T = max(map(len, prompts))
-    input_ids = torch.tensor([[tokenizer.pad_token_id] * (T - len(p)) + p for p in prompts])  # [B, T]
-    attention_mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])  # [B, T]
+    input_ids, attention_mask = pad(prompts, tokenizer.pad_token_id, left=True)  # [B, T] each
+    T = input_ids.shape[1]
     out = model.generate(
         input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
         max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,

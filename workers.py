@@ -33,8 +33,8 @@ from tensordict import TensorDict
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from agent import AgentLoop
-from batching import micro_batches, pack, packing_works, unpack
-from comm import Dist, broadcast, reduce_metrics, side_group, synchronize, timer
+from batching import micro_batches, pack, packing_works, pad, unpack
+from comm import Dist, Max, Sum, all_max, all_sum_fn, broadcast, side_group, synchronize, timer
 from config import Config
 from core_algos import agg_loss, head_log_probs, kl_penalty, lr_factor, policy_loss, tis_weights, value_loss
 from data import load_tokenizer
@@ -65,17 +65,10 @@ def pad_batch(prompts: list[list[int]], responses: list[list[int]], rollout_logp
     every token. counts: per-response values (num_turns, tool_calls, tool_errors), each a [B] key.
     """
     B, (P, R) = len(responses), widths or (max(map(len, prompts)), max(1, max(map(len, responses))))
-    prompt_ids = torch.full((B, P), pad_id)  # [B, P]
-    response_ids = torch.full((B, R), pad_id)  # [B, R]
-    prompt_mask = torch.zeros(B, P, dtype=torch.long)
-    response_attention = torch.zeros(B, R, dtype=torch.long)
-    response_mask = torch.zeros(B, R)
-    rollout_log_probs = torch.zeros(B, R)
-    for b, (p, r, lp) in enumerate(zip(prompts, responses, rollout_logps)):
-        prompt_ids[b, P - len(p) :], prompt_mask[b, P - len(p) :] = torch.tensor(p), 1
-        response_ids[b, : len(r)], response_attention[b, : len(r)] = torch.tensor(r, dtype=torch.long), 1
-        response_mask[b, : len(r)] = 1.0 if masks is None else torch.tensor(masks[b], dtype=torch.float)
-        rollout_log_probs[b, : len(r)] = torch.tensor(lp)
+    prompt_ids, prompt_mask = pad(prompts, pad_id, P, left=True)  # [B, P] each
+    response_ids, response_attention = pad(responses, pad_id, R)  # [B, R] each
+    response_mask = response_attention.float() if masks is None else pad(masks, 0.0, R)[0].float()  # [B, R]
+    rollout_log_probs = pad(rollout_logps, 0.0, R)[0].float()  # [B, R]
     attention_mask = torch.cat([prompt_mask, response_attention], 1)  # [B, P + R]
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, P + R], 0 at the first real token
     batch = TensorDict(
@@ -86,6 +79,13 @@ def pad_batch(prompts: list[list[int]], responses: list[list[int]], rollout_logp
     for key, values in (counts or {}).items():
         batch[key] = torch.tensor(values)  # [B]
     return batch
+
+
+def batch_widths(prompts: list[list[int]], responses: list[list[int]], all_max) -> tuple[int, int]:
+    """The padded widths (P, R) that every rank's batch shares, so rows can move between ranks: the longest prompt
+    and response over the ranks (all_max: comm.all_max over them; a controller holding the whole batch's identity)."""
+    P, R = all_max([max(map(len, prompts)), max(1, max(map(len, responses)))])
+    return int(P), int(R)
 
 
 def response_lengths(batch: TensorDict) -> torch.Tensor:
@@ -179,6 +179,7 @@ class Worker:
         self.peak_flops = peak_flops(dist.device, DTYPES[cfg.fsdp.param_dtype])  # what MFU divides by
         self.measures = {}  # the phases' memory high-water marks since the controller last collected them (perf)
         self.limits = {}  # phase: the micro-batch limit that --oom-retry halved to (it stays for later steps)
+        self.all_sum = all_sum_fn(dist)  # the update's token and sequence counts over the ranks
         self.at = None  # (micro-batch index, the phase's micro-batches, their batch): what an out-of-memory names
 
     def micro_batch_parts(self, batch: TensorDict, max_tokens: int | None, rows: int = 0) -> list[list[int]]:
@@ -225,7 +226,7 @@ class Worker:
         process's RSS on CPU), kept for perf()."""
         reset_peak_memory(self.dist.device)
         yield
-        self.measures[f"perf/max_memory_gb/{phase}"] = peak_memory(self.dist.device) / GB
+        self.measures[f"perf/max_memory_gb/{phase}"] = Max(peak_memory(self.dist.device) / GB)
 
     def perf(self) -> dict:
         """The phases' memory and out-of-memory retries since the last call, and perf/allreduce_ms: one 1 MB
@@ -266,8 +267,8 @@ class Worker:
     def update(self, batch: TensorDict) -> dict:
         """PPO epochs over mini-batches of this rank's shard; each mini-batch is one optimizer step over its
         micro-batches. Returns this rank's metrics (the controller reduces them over the ranks), perf/mfu/<role>
-        among them. Collectives: per mini-batch, the token and sequence counts (reduce_metrics), the micro-batch
-        count (use_dynamic_bsz), FSDP2's gathers and gradient reduce-scatters, and the global grad norm."""
+        among them. Collectives: the mini-batches' token and sequence counts (one all-reduce), per mini-batch the
+        micro-batch count (use_dynamic_bsz), FSDP2's gathers and gradient reduce-scatters, and the grad norm."""
         with self.resident(optimizer=True), self.measured(f"update_{self.role}"):
             synchronize()
             start = time.perf_counter()
@@ -288,17 +289,17 @@ class Worker:
         self.updates += 1
         phase = f"update_{self.role}"
         knob = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size"
+        minis = batch.split(cfg.ppo_mini_batch_size // self.dist.dp_size * cfg.rollout_n)
+        masks = [self.loss_mask(mb) for mb in minis]  # [b, R] each
+        # Every micro-batch divides by its mini-batch's counts, so the summed gradients are the mini-batch's
+        # gradient; loss metrics add up the same way, token ratios are weighted by token share. Counts over all dp
+        # ranks (one sum for every mini-batch), times dp_size to undo FSDP's gradient averaging: every rank's loss is
+        # its part of the global mini-batch's loss, whatever its token count. A fully masked response weighs nothing.
+        totals = torch.tensor([[m.sum().item(), (m.sum(-1) > 0).sum().item()] for m in masks], dtype=torch.float64)
+        totals = (totals if self.all_sum is None else self.all_sum(totals)).tolist()  # [mini-batches, 2]
         for epoch in range(cfg.ppo_epochs):
-            for i, mb in enumerate(batch.split(cfg.ppo_mini_batch_size // self.dist.dp_size * cfg.rollout_n)):
-                # Every micro-batch divides by the mini-batch's counts, so the summed gradients are the
-                # mini-batch's gradient; loss metrics add up the same way, token ratios are weighted by token share.
-                # Counts over all dp ranks, times dp_size to undo FSDP's gradient averaging: every rank's
-                # loss is its part of the global mini-batch's loss, whatever its token count.
-                mask = self.loss_mask(mb)  # [b, R]
-                seqs = (mask.sum(-1) > 0).sum().item()  # a fully masked response weighs nothing
-                total = reduce_metrics({"tokens": mask.sum().item(), "seqs": seqs}, self.dist,
-                                       sum_keys=("tokens", "seqs"))
-                counts = dict(n_tokens=total["tokens"] / self.dist.dp_size, n_seqs=total["seqs"] / self.dist.dp_size,
+            for i, (mb, mask, (tokens, seqs)) in enumerate(zip(minis, masks, totals)):
+                counts = dict(n_tokens=tokens / self.dist.dp_size, n_seqs=seqs / self.dist.dp_size,
                               norm_len=cfg.max_response_length, dp_size=self.dist.dp_size)
                 limit = self.limits.get(phase, getattr(cfg, knob))
                 while True:  # once, unless an out-of-memory is retried with a smaller limit (oom_retry)
@@ -314,13 +315,15 @@ class Worker:
                 step[f"{self.role}/grad_norm"] = grad_norm
                 step[f"{self.role}/skipped_steps"] = float(not math.isfinite(grad_norm))
                 per_step.append(step)
-        keys = dict.fromkeys(k for s in per_step for k in s)  # some only on the first mini-batch (fresh)
-        out = {k: sum(s[k] for s in per_step if k in s) / sum(k in s for s in per_step) for k in keys}
+        out = {}
+        for k in dict.fromkeys(k for s in per_step for k in s):  # some only on the first mini-batch (fresh)
+            values = [s[k] for s in per_step if k in s]
+            out[k] = max(values) if isinstance(values[0], Max) else sum(values) / len(values)
         out[f"{self.role}/skipped_steps"] *= len(per_step)  # a count, not a mean
         out[f"{self.role}/lr"] = self.opt.param_groups[0]["lr"]
         seqlens = batch["attention_mask"].sum(-1)  # [B]
         over = float((seqlens > cfg.ppo_max_token_len_per_gpu).sum()) if cfg.use_dynamic_bsz else 0.0
-        out[f"{self.role}/over_budget_seqs"] = over
+        out[f"{self.role}/over_budget_seqs"] = Sum(over)
         return out
 
     def accumulate(self, mb: TensorDict, mask: torch.Tensor, counts: dict, limit: int, fresh: bool) -> dict:
@@ -336,7 +339,7 @@ class Worker:
             loss.backward()
             share = (mask[rows].sum() / mask.sum().clamp(min=1)).item()  # its token share, from the CPU batch
             for k, v in metrics.items():
-                step[k] = (max(step.get(k, v), v) if k.endswith("_max") else
+                step[k] = (max(step.get(k, v), v) if isinstance(v, Max) else
                            step.get(k, 0.0) + (v if k in LOSS_METRICS else v * share))
         return step
 
@@ -430,11 +433,10 @@ class ActorWorker(Worker):
                                   f"--rollout-n (the samples a rank generates), --max-response-length, or turn on "
                                   f"--offload.actor-params") from error
         metrics.update(self.rollout.kv_cache_stats())
-        widths = reduce_metrics({"P/max": max(map(len, prompts)), "R/max": max(1, max(map(len, out.responses)))},
-                                self.dist)
         repeated = [p for p in prompts for _ in range(n)]
-        batch = pad_batch(repeated, out.responses, out.log_probs, self.tokenizer.pad_token_id,
-                          (int(widths["P/max"]), int(widths["R/max"])), out.masks, out.counts)
+        widths = batch_widths(prompts, out.responses, lambda values: all_max(values, self.dist))
+        batch = pad_batch(repeated, out.responses, out.log_probs, self.tokenizer.pad_token_id, widths, out.masks,
+                          out.counts)
         batch["version"] = torch.full((len(repeated),), self.updates)  # [B]: the weights that sampled
         return batch, metrics
 
@@ -521,7 +523,7 @@ class ActorWorker(Worker):
         if fresh and mode != "recompute":  # the engine-trainer gap, which the recomputing pass reports
             real = micro["response_mask"]
             diff = (micro["rollout_log_probs"] - logp.detach()).abs() * real  # [b, R]
-            gap = {"rollout/logprob_diff_max": diff.max().item(),
+            gap = {"rollout/logprob_diff_max": Max(diff.max().item()),
                    "rollout/logprob_diff_mean": (diff.sum() / real.sum().clamp(min=1)).item()}
         tis, tis_metrics = None, {}
         if cfg.tis_cap is not None:

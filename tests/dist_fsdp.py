@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from comm import init_distributed, reduce_metrics, shutdown  # noqa: E402
+from comm import Max, Min, Sum, all_max, init_distributed, reduce_metrics, shutdown  # noqa: E402
 from sharding import (FSDPConfig, clip_grad_norm, export_hf, full_weights, load_sharded,  # noqa: E402
                       load_sharded_model, save_sharded)
 
@@ -52,7 +52,7 @@ def train_step(model, optimizer, batch, dist) -> tuple[float, float]:
     norm = clip_grad_norm(model, MAX_NORM)
     optimizer.step()
     optimizer.zero_grad()
-    return reduce_metrics({"loss": loss_part.item()}, dist, sum_keys=("loss",))["loss"], norm
+    return reduce_metrics({"loss": Sum(loss_part.item())}, dist)["loss"], norm
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -102,9 +102,9 @@ def main(model_dir: str, ckpt_from_1: str, out_dir: str):
     res["bf16_loss"] = train_step(model, make_optimizer(model), batch, dist)[0]
     res["bf16_master_dtypes"] = {p.dtype for p in model.parameters()}
 
-    res["metrics"] = reduce_metrics({"a": dist.rank + 1.0, "x/max": dist.rank, "x/min": dist.rank,
-                                     "perf/max_memory_allocated_gb": 10.0 * dist.rank, "tokens": 5 + dist.rank},
-                                    dist, sum_keys=("tokens",))
+    res["metrics"] = reduce_metrics({"a": dist.rank + 1.0, "x/max": Max(dist.rank), "x/min": Min(dist.rank),
+                                     "y_max": dist.rank, "tokens": Sum(5 + dist.rank)}, dist)
+    res["widths"] = all_max([dist.rank, 7 - dist.rank], dist)
     torch.save(res, os.path.join(out_dir, f"rank{dist.rank}.pt"))
     shutdown(dist)
 

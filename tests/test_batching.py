@@ -15,7 +15,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import workers
-from batching import karmarkar_karp, micro_batches, packing_works, split_by_tokens
+from batching import karmarkar_karp, micro_batches, packing_works, pad, split_by_tokens
 from comm import init_distributed
 from core_algos import AggMode
 from workers import ActorWorker, pad_batch, response_log_probs
@@ -182,3 +182,15 @@ def test_two_ranks(model_path, tmp_path):
     before, after = [r["flops_before"] for r in ranks], [r["flops_after"] for r in ranks]
     assert abs(after[0] - after[1]) < 0.5 * abs(before[0] - before[1]), (before, after)
     assert m["global_seqlen/balanced_minmax_diff"] < m["global_seqlen/minmax_diff"]
+
+
+def test_pad_fills_from_the_lengths():
+    """The one padding function: right or left, to the longest row or a given width, its mask from the lengths
+    (a pad id that is also a real token stays real)."""
+    ids, mask = pad([[5, 0], [7], []], 0)
+    assert ids.tolist() == [[5, 0], [7, 0], [0, 0]] and mask.tolist() == [[1, 1], [1, 0], [0, 0]]
+    ids, mask = pad([[5, 0], [7]], 9, width=3, left=True)
+    assert ids.tolist() == [[9, 5, 0], [9, 9, 7]] and mask.tolist() == [[0, 1, 1], [0, 0, 1]]
+    values, _ = pad([[0.5], []], 0.0)
+    assert values.dtype == torch.float32 and values.tolist() == [[0.5], [0.0]]
+    assert pad([[], []], 0)[0].shape == (2, 0)

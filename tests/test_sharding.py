@@ -17,7 +17,7 @@ from dist_fsdp import MAX_NORM, full_optim, full_params, make_batch, make_optimi
 from transformers import AutoModelForCausalLM
 
 import sharding
-from comm import init_distributed
+from comm import Max, Min, Sum, init_distributed
 from conftest import TINY
 from sft import build_byte_tokenizer, build_tiny_qwen2
 
@@ -152,9 +152,12 @@ def test_export_hf_loads_back(run):
 
 
 def test_reduce_metrics_across_ranks(run):
+    """Each metric is reduced as its type declares (a plain number: the mean, whatever its name), and keeps that
+    type; all_max agrees on the largest of each value."""
     for rank in run["ranks"]:
-        assert rank["metrics"] == {"a": 1.5, "x/max": 1.0, "x/min": 0.0, "perf/max_memory_allocated_gb": 10.0,
-                                   "tokens": 11.0}
+        assert rank["metrics"] == {"a": 1.5, "x/max": 1.0, "x/min": 0.0, "y_max": 0.5, "tokens": 11.0}
+        assert [type(rank["metrics"][k]) for k in ("a", "x/max", "x/min", "tokens")] == [float, Max, Min, Sum]
+        assert rank["widths"] == [1.0, 7.0]
 
 
 def test_missing_and_corrupt_checkpoints_name_the_path(run, tmp_path):
