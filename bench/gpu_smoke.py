@@ -17,10 +17,11 @@ Asserted in every run: the rollout engine sits on the device of LOCAL_RANK; ever
 the offloaded models' parameters are back in host memory after each phase, the optimizer still holds the model's
 own parameters, and an update moves them; every metric is finite; the resumed run starts where the checkpoint
 left off. Printed: per phase the seconds, tokens/s, peak memory (torch.cuda.max_memory_allocated over the call)
-and MFU (2 N FLOPs per token for a forward, 6 N for forward + backward, N the parameters; recomputation not counted)
-against the device's dense bf16 peak (BF16_PEAK by name, else a matmul measured here).
+and MFU (perf.model_flops of the call's batch: the runs' own perf/mfu/* count the same) against the device's dense
+bf16 peak (perf.peak_flops: its table by name, else a matmul measured once and cached).
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -40,6 +41,8 @@ import tyro  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+from perf import device_name, model_flops, peak_flops  # noqa: E402
+
 SHAPES = {  # Qwen2Config fields
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
@@ -47,7 +50,6 @@ SHAPES = {  # Qwen2Config fields
     "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, max_position_embeddings=512),
 }
-BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}  # dense, spec sheets
 REWARD = '''import re
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     ids = [int(i) for i in re.findall(r"filler(\\d+)", solution_str)]
@@ -113,7 +115,10 @@ def check_call(worker, name: str, fn, args, kwargs, record: list):
     if before is not None:
         assert next(worker.model.parameters()).detach().float().sum().item() != before, "the update moved nothing"
     batch = args[0] if args and isinstance(args[0], TensorDict) else None
-    record.append(dict(phase=f"{worker.role}.{name}", seconds=seconds,
+    backward = name == "update"
+    flops = 0.0 if batch is None else (worker.cfg.ppo_epochs if backward else 1) * model_flops(
+        batch["attention_mask"].sum(-1), worker.shape, backward, lora=bool(worker.cfg.lora))
+    record.append(dict(phase=f"{worker.role}.{name}", seconds=seconds, flops=flops,
                        tokens=int(batch["attention_mask"].sum()) if batch is not None else
                        int(out[0]["response_mask"].sum()) if name == "generate" else 0,
                        peak_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")))
@@ -209,38 +214,18 @@ def launch(cmd: list[str], name: str, root: Path) -> dict:
     return {**json.loads(result.read_text()), "log": text}
 
 
-def bf16_peak() -> tuple[float, str]:
-    """The device's dense bf16 FLOP/s: from BF16_PEAK by the device's name, else a measured 8192^3 matmul."""
-    if not torch.cuda.is_available():
-        return float("nan"), "CPU: no bf16 peak"
-    name = torch.cuda.get_device_name()
-    for key, peak in BF16_PEAK.items():
-        if key in name:
-            return peak, f"{name}, spec {peak / 1e12:.0f} TFLOP/s"
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    a @ a
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    torch.cuda.synchronize()
-    peak = 10 * 2 * 8192**3 / (time.perf_counter() - start)
-    return peak, f"{name}, measured {peak / 1e12:.0f} TFLOP/s"
-
-
 def summary(runs: dict, peak: float, peak_name: str) -> str:
-    """Per run and phase: calls, seconds, tokens/s, peak memory, MFU."""
+    """Per run and phase: calls, seconds, tokens/s, peak memory, MFU (generation: none)."""
     lines = [f"device: {peak_name}", f"{'run':7} {'phase':22} {'calls':>5} {'s/call':>8} {'tokens/s':>10} "
                                      f"{'peak GB':>8} {'MFU':>6}"]
     for run, data in runs.items():
-        n = data["parameters"]
         phases = {}
         for call in data["calls"]:
             phases.setdefault(call["phase"], []).append(call)
         for phase, calls in phases.items():
             seconds, tokens = sum(c["seconds"] for c in calls), sum(c["tokens"] for c in calls)
-            flops = {"update": 6, "log_probs": 2, "ref_log_probs": 2, "values": 2}.get(phase.split(".")[1], 0) * n
-            mfu = flops * tokens / seconds / peak if flops else float("nan")
+            flops = sum(c["flops"] for c in calls)
+            mfu = flops / seconds / peak if flops else float("nan")
             lines.append(f"{run:7} {phase:22} {len(calls):5d} {seconds / len(calls):8.3f} {tokens / seconds:10.0f} "
                          f"{max(c['peak_gb'] for c in calls):8.2f} {mfu:6.1%}")
     return "\n".join(lines)
@@ -251,12 +236,8 @@ def main(cfg: SmokeConfig) -> None:
     root.mkdir(parents=True, exist_ok=True)
     inputs = make_inputs(cfg)
     backend = cfg.backend
-    if backend == "auto":
-        try:
-            import vllm  # noqa: F401
-            backend = "vllm"
-        except ImportError:
-            backend = "hf"
+    if backend == "auto":  # vLLM where it is installed
+        backend = "vllm" if importlib.util.find_spec("vllm") else "hf"
     me = [sys.executable, str(Path(__file__).resolve())]
     plain = flags(inputs, cfg, str(root / "plain"), rollout_backend=backend, resume="off")
     runs = {"plain": launch(me + ["--worker-out", str(root / "plain.json"), "--"] + plain, "plain", root)}
@@ -276,7 +257,9 @@ def main(cfg: SmokeConfig) -> None:
                  resume="off") + offload
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={port}"]
     runs["fsdp"] = launch(torchrun + me[1:] + ["--worker-out", str(root / "fsdp.json"), "--"] + fsdp, "fsdp", root)
-    peak, peak_name = bf16_peak()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak = peak_flops(device, torch.bfloat16)
+    peak_name = f"{device_name(device)}, bf16 peak {peak / 1e12:.3g} TFLOP/s (perf.peak_flops)"
     text = (f"engine: {backend} on {runs['plain']['engine_device']} (fsdp run: {ranks} rank(s), "
             f"{runs['fsdp']['engine_device']}); {runs['plain']['parameters'] / 1e6:.0f}M parameters\n"
             + summary({k: v for k, v in runs.items()}, peak, peak_name) + "\nall checks passed")
