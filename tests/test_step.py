@@ -19,7 +19,8 @@ from conftest import toy_config
 from config import BUILTIN_TASK, Config, with_task_values
 from core_algos import last_token
 from data import checked_score, load_tokenizer
-from ppo import SPMD, check_out_dir, load_task, make_run, prompt_indices, rl_step, step_warnings, train
+from ppo import SPMD, check_out_dir, load_task, make_run, prompt_indices, rl_step, train
+from tracking import step_warnings
 from rollout import sample_seed
 from sharding import find_latest, prune_checkpoints
 from workers import ActorWorker
