@@ -1,4 +1,4 @@
-"""Process groups for torchrun SPMD runs: the torchrun env, a DeviceMesh, metric reduction, object broadcast.
+"""Process groups for torchrun (SPMD) runs: the torchrun env, a DeviceMesh, metric reduction, object broadcast.
 
     torchrun --nproc_per_node=2 your_script.py      # gloo on CPU, NCCL on GPU, one process per device
     python your_script.py                           # one process, no process group: every helper is the identity

@@ -241,7 +241,7 @@ def _sum(stats: list[float], all_sum: AllSum) -> list[float]:
     return (t if all_sum is None else all_sum(t)).tolist()
 
 
-def last_token(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def on_last_token(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """x [B] placed on each row's last token of mask [B, R] (the model's last, after any tool's span), 0 elsewhere."""
     ranks = mask.bool() * torch.arange(1, mask.shape[1] + 1, device=mask.device)  # [B, R]: 1 + position where kept
     last = ranks.argmax(-1)  # [B]
@@ -361,7 +361,7 @@ def reinforce_pp_advantages(token_rewards, mask, gamma: float, all_sum: AllSum =
     group's mean first."""
     if group is not None:  # the last token's reward loses its group's mean score (a group of one keeps its score)
         centred = group_advantages(scores, group, norm_by_std=False)  # [B]
-        token_rewards = token_rewards - last_token(scores - centred, mask)  # [B, R]
+        token_rewards = token_rewards - on_last_token(scores - centred, mask)  # [B, R]
     returns = gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)[0]  # V = 0, lam = 1: the return
     return masked_whiten(returns, mask, all_sum), returns
 

@@ -4,7 +4,7 @@
     python ppo.py --help                 # every field of config.Config
     python ppo.py --use-kl-in-reward --kl-ctrl-type adaptive --kl-coef 0.01 --kl-target 0.05   # KL in the reward
     python ppo.py --adv-estimator reinforce_plus_plus   # no critic: REINFORCE++ (also rloo, grpo, ..._baseline)
-    torchrun --nproc_per_node=2 ppo.py   # every rank runs the loop on its shard of the prompts (SPMD)
+    torchrun --nproc_per_node=2 ppo.py   # every rank runs the loop on its shard of the prompts (TorchrunController)
     python grpo.py                       # GRPO: the same loop with grpo.py's defaults
     python ray_trainer.py                # the same step and loop from a Ray driver over worker groups
 
@@ -13,9 +13,9 @@ One RL step (rl_step), as verl (HybridFlow) does it:
     verifier) -> balance the ranks' work -> old / ref log-probs, values -> token rewards (- KL penalty) and
     advantages -> critic update, actor update on micro-batches
 The step is written once, against the workers' methods (workers.py) and a controller (how the step's batch
-relates to the data-parallel ranks). Under torchrun (`SPMD`) every rank runs the loop on its own shard of the
-prompts; the single controller (ray_trainer.py's Driver) runs the same step and loop once, on the whole batch,
-with worker groups in place of the workers. The algorithm math is in core_algos.py; PPO's own part is the critic
+relates to the data-parallel ranks). Under torchrun (`TorchrunController`) every rank runs the loop on its own
+shard of the prompts; the single controller (ray_trainer.py's Driver) runs the same step and loop once, on the
+whole batch, with worker groups in place of the workers. The algorithm math is in core_algos.py; PPO's own part is the critic
 (GAE, the value loss), the clipped surrogate and the KL controller, chosen by Config's fields.
 """
 
@@ -37,7 +37,7 @@ from batching import balance_ranks, flops_workload
 from comm import (Dist, Max, Min, Sum, all_max, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics,
                   shutdown, timer)
 from config import START_HERE, Config, split_files, with_task_values
-from core_algos import compute_advantages, kl_in_reward, last_token, overlong_penalty, rollout_mask, update_kl_coef
+from core_algos import compute_advantages, kl_in_reward, on_last_token, overlong_penalty, rollout_mask, update_kl_coef
 from data import RLDataset, load_reward_fn, load_tokenizer, score_responses
 from fileio import write_atomic
 from rollout import COUNTS, sample_seed
@@ -52,7 +52,7 @@ from workers import ActorWorker, CriticWorker, batch_widths, pad_batch, response
 # ---------------------------------------------------------------------------------------------------
 
 
-class SPMD:
+class TorchrunController:
     """The torchrun controller: every rank runs the loop and holds one dp shard of each step's batch (prompts
     dp_rank * k .. dp_rank * k + k - 1 of the step's k * dp_size). Statistics of the whole batch are sums over
     the ranks; metrics are reduced over them; rank 0 writes the files. A single controller that holds the whole
@@ -94,7 +94,7 @@ class Run:
     cfg: Config
     actor: ActorWorker
     critic: CriticWorker | None
-    ctl: SPMD  # or ray_trainer.Driver: the same methods, for a driver that holds the whole batch
+    controller: TorchrunController  # or ray_trainer.Driver: the same methods, for a driver that holds the whole batch
     tokenizer: object  # the policy's (the driver tokenizes prompts and decodes responses for the verifier)
     reward_fn: object
     train_ds: RLDataset
@@ -114,9 +114,10 @@ def prompt_indices(step: int, cfg: Config, n_rows: int) -> list[int]:
 
 def step_rows(step: int, run: Run) -> list[dict]:
     """The prompts of a step that this controller holds (its dp shard of prompt_indices)."""
-    per_rank = run.cfg.train_batch_size // run.ctl.dp_size
+    per_rank = run.cfg.train_batch_size // run.controller.dp_size
     indices = prompt_indices(step, run.cfg, len(run.train_ds))
-    return [run.train_ds[i] for i in indices[run.ctl.dp_rank * per_rank : (run.ctl.dp_rank + 1) * per_rank]]
+    first = run.controller.dp_rank * per_rank
+    return [run.train_ds[i] for i in indices[first : first + per_rank]]
 
 
 def weights_version(step: int, cfg: Config) -> int:
@@ -134,7 +135,7 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
     """One RL step on `rows`, the prompts this controller holds (a rank's shard under torchrun; all of them under a
     single controller). Returns (the step's metrics, reduced over the ranks; the batch; the next in-reward KL
     coefficient)."""
-    cfg, actor, critic, ctl = run.cfg, run.actor, run.critic, run.ctl
+    cfg, actor, critic, controller = run.cfg, run.actor, run.critic, run.controller
     metrics = {"step": step}
     with timer("step", metrics):
         # ==================== 1-2. rollout and reward: vLLM samples n per prompt, the task's verifier scores =====
@@ -150,7 +151,7 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
             with timer("balance", metrics):
                 seqlens = batch["attention_mask"].sum(-1)  # [B]
                 work = seqlens if cfg.balance_by == "tokens" else flops_workload(seqlens, run.hidden_size)
-                batch, balance_metrics = ctl.balance(batch, seqlens, work, unit=cfg.rollout_n)
+                batch, balance_metrics = controller.balance(batch, seqlens, work, unit=cfg.rollout_n)
             metrics.update(balance_metrics)
         batch["group"] = torch.arange(batch.batch_size[0] // cfg.rollout_n).repeat_interleave(cfg.rollout_n)  # [B]
 
@@ -163,18 +164,18 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
             passes["ref_log_probs"] = ("ref", actor.ref_log_probs)
         if critic:
             passes["values"] = ("values", critic.values)
-        batch.update(ctl.run_all(passes, batch, metrics))  # [B, R] each
+        batch.update(controller.run_all(passes, batch, metrics))  # [B, R] each
 
         # ==================== 4. token rewards, advantages ====================
         with timer("adv", metrics):
             # the verifier scores the whole response: its reward sits on the last token
-            batch["token_level_rewards"] = last_token(batch["scores"], batch["response_mask"])  # [B, R]
+            batch["token_level_rewards"] = on_last_token(batch["scores"], batch["response_mask"])  # [B, R]
             if cfg.use_kl_in_reward:
                 # the old policy's log-probs: recomputed, or the engine's (old_log_probs rollout)
                 old = batch["old_log_probs"] if "old_log_probs" in batch.keys() else batch["rollout_log_probs"]
                 batch["token_level_rewards"], kl = kl_in_reward(
                     batch["token_level_rewards"], old, batch["ref_log_probs"],
-                    batch["response_mask"], kl_coef, cfg.kl_penalty, ctl.all_sum)  # [B, R]; kl: the whole batch's
+                    batch["response_mask"], kl_coef, cfg.kl_penalty, controller.all_sum)  # [B, R]; kl: whole batch's
                 metrics.update({"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": kl_coef})
                 kl_coef = update_kl_coef(kl_coef, kl, cfg.train_batch_size * cfg.rollout_n, cfg.kl_ctrl_type,
                                          cfg.kl_target, cfg.kl_horizon)
@@ -182,7 +183,7 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
                 cfg.adv_estimator, token_level_rewards=batch["token_level_rewards"],
                 response_mask=batch["response_mask"], scores=batch["scores"], group=batch["group"],
                 values=batch.get("values"), gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std=cfg.norm_adv_by_std,
-                all_sum=ctl.all_sum)  # [B, R] each
+                all_sum=controller.all_sum)  # [B, R] each
 
         # ==================== 4b. the policy loss's tokens: rollout correction, overlong filtering ====================
         if cfg.rollout_mask or cfg.mask_truncated:
@@ -193,7 +194,7 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
         updates = {"critic": ("update_critic", critic.update)} if critic else {}
         if step > cfg.critic_warmup:
             updates["actor"] = ("update_actor", actor.update)
-        for update_metrics in ctl.run_all(updates, batch, metrics).values():
+        for update_metrics in controller.run_all(updates, batch, metrics).values():
             metrics.update(update_metrics)
 
         # ==================== 6. a rollout pool of its own takes the new weights, starts the next batches ====================
@@ -206,7 +207,7 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
     metrics["perf/overhead_share"] = overhead_share(metrics, run.pool is not None)
     metrics.update(batch_metrics(batch, cfg.max_response_length))
     metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]  # per rank
-    return {**ctl.reduce(metrics), "step": step}, batch, kl_coef
+    return {**controller.reduce(metrics), "step": step}, batch, kl_coef
 
 
 def overhead_share(metrics: dict, pool: bool) -> float:
@@ -246,10 +247,10 @@ def generate_and_score(step: int, rows: list[dict], run: Run, metrics: dict, see
     cfg = run.cfg
     seeds = seeds_of(step, rows, cfg, seed_offset)
     if run.pool:
-        batch, this_round = run.pool.generate(rows, seeds)
+        batch, round_metrics = run.pool.generate(rows, seeds)
     else:
-        batch, this_round = run.actor.generate([r["prompt_ids"] for r in rows], seeds)
-        with timer("reward", this_round):
+        batch, round_metrics = run.actor.generate([r["prompt_ids"] for r in rows], seeds)
+        with timer("reward", round_metrics):
             batch["scores"] = score(batch, [r for r in rows for _ in range(cfg.rollout_n)], run.tokenizer,
                                     run.reward_fn)  # [B]
     # each response's dataset row travels with it: whatever moves the rows, they are looked up by this
@@ -258,8 +259,8 @@ def generate_and_score(step: int, rows: list[dict], run: Run, metrics: dict, see
         penalty = overlong_penalty(response_lengths(batch), cfg.max_response_length, cfg.overlong_buffer_len,
                                    cfg.overlong_penalty_factor)  # [B]
         batch["scores"] = batch["scores"] + penalty
-        this_round["reward/overlong_penalty_mean"] = penalty.mean().item()
-    for k, v in this_round.items():  # times add up over dynamic sampling's rounds; the rest is the last round's
+        round_metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
+    for k, v in round_metrics.items():  # times add up over dynamic sampling's rounds; the rest is the last round's
         metrics[k] = metrics.get(k, 0.0) + v if k.startswith("timing_s/") else v
     return batch
 
@@ -269,31 +270,31 @@ def rollout_and_score(step: int, rows: list[dict], run: Run, metrics: dict) -> T
     such groups are dropped and further prompts sampled, in rounds that every rank runs together, until every rank
     holds len(rows) informative groups or max_gen_rounds have run (the rest is then filled with dropped groups).
     A round's prompts and seeds follow (seed, step, round), so a resumed step replays them."""
-    cfg, ctl, n = run.cfg, run.ctl, run.cfg.rollout_n
+    cfg, controller, n = run.cfg, run.controller, run.cfg.rollout_n
     batch = generate_and_score(step, rows, run, metrics)
     if not cfg.dynamic_sampling:
         return batch
-    keep, spare, rounds = [], [], 0
+    kept, dropped, rounds = [], [], 0
     while True:
         rounds += 1
         spread = batch["scores"].view(-1, n)  # [groups, n]
         informative = spread.max(-1).values > spread.min(-1).values  # [groups]
         for g, good in enumerate(informative.tolist()):
-            (keep if good else spare).append(batch[g * n : (g + 1) * n])
-        short = ctl.all_max([max(0, len(rows) - len(keep))])[0]  # the rank that lacks the most groups
+            (kept if good else dropped).append(batch[g * n : (g + 1) * n])
+        short = controller.all_max([max(0, len(rows) - len(kept))])[0]  # the rank that lacks the most groups
         if short == 0 or rounds == cfg.max_gen_rounds:
             break
         generator = torch.Generator().manual_seed(sample_seed(cfg.seed, step, -rounds))  # round r's prompts
-        start = ctl.dp_rank * len(rows)
+        start = controller.dp_rank * len(rows)
         picks = torch.randperm(len(run.train_ds), generator=generator)[start : start + len(rows)].tolist()
         batch = generate_and_score(step, [run.train_ds[i] for i in picks], run, metrics, rounds * len(run.train_ds))
-    filled = max(0, len(rows) - len(keep))
-    metrics.update({"dynamic/rounds": rounds, "dynamic/kept_groups": Sum(min(len(keep), len(rows))),
-                    "dynamic/dropped_groups": Sum(len(spare)), "dynamic/filled_groups": Sum(filled)})
-    return repad(keep[: len(rows)] + spare[:filled], ctl, run.tokenizer.pad_token_id)
+    filled = max(0, len(rows) - len(kept))
+    metrics.update({"dynamic/rounds": rounds, "dynamic/kept_groups": Sum(min(len(kept), len(rows))),
+                    "dynamic/dropped_groups": Sum(len(dropped)), "dynamic/filled_groups": Sum(filled)})
+    return repad(kept[: len(rows)] + dropped[:filled], controller, run.tokenizer.pad_token_id)
 
 
-def repad(groups: list[TensorDict], ctl, pad_id: int) -> TensorDict:
+def repad(groups: list[TensorDict], controller, pad_id: int) -> TensorDict:
     """Groups from several generate calls (each padded to its own widths) as one batch, padded to the widest prompt
     and response over every rank (the same shapes everywhere, as balancing needs)."""
     rows = [g[i] for g in groups for i in range(g.batch_size[0])]
@@ -301,7 +302,7 @@ def repad(groups: list[TensorDict], ctl, pad_id: int) -> TensorDict:
     lengths = torch.cat([response_lengths(g) for g in groups]).tolist()
     responses = [r["responses"][:k].tolist() for r, k in zip(rows, lengths)]
     batch = pad_batch(prompts, responses, [r["rollout_log_probs"][:k].tolist() for r, k in zip(rows, lengths)], pad_id,
-                      batch_widths(prompts, responses, ctl.all_max),
+                      batch_widths(prompts, responses, controller.all_max),
                       [r["response_mask"][:k].tolist() for r, k in zip(rows, lengths)])
     for key in ("index", "scores", "version", *COUNTS):
         if key in rows[0].keys():
@@ -358,7 +359,7 @@ def evaluate(run: Run) -> dict:
     local = {"correct": Sum(batch["scores"].sum().item()), "n": Sum(len(run.val_rows))}
     if "tool_calls" in batch.keys():
         local["called"] = Sum((batch["tool_calls"] > 0).sum().item())
-    total = run.ctl.reduce(local)
+    total = run.controller.reduce(local)
     out = {"val/accuracy": total["correct"] / total["n"]}
     if "called" in total:
         out["val/tool_call_rate"] = total["called"] / total["n"]
@@ -450,10 +451,11 @@ def load_task(cfg: Config, model_path: str, train_files: str, val_files: str, dp
                 train_ds.num_truncated + val_ds.num_truncated, AutoConfig.from_pretrained(model_path).hidden_size)
 
 
-def make_run(cfg: Config, task: Task, actor: ActorWorker, critic: CriticWorker | None, ctl: SPMD, pool=None) -> Run:
+def make_run(cfg: Config, task: Task, actor: ActorWorker, critic: CriticWorker | None, controller: TorchrunController,
+             pool=None) -> Run:
     """The Run around built workers and a loaded Task (this controller's share of the held-out prompts)."""
-    return Run(cfg, actor, critic, ctl, task.tokenizer, task.reward_fn, task.train_ds,
-               task.val_rows[ctl.dp_rank :: ctl.dp_size], task.num_truncated, task.hidden_size, pool)
+    return Run(cfg, actor, critic, controller, task.tokenizer, task.reward_fn, task.train_ds,
+               task.val_rows[controller.dp_rank :: controller.dp_size], task.num_truncated, task.hidden_size, pool)
 
 
 def save_checkpoint(run: Run, step: int, state: dict) -> None:
@@ -461,14 +463,14 @@ def save_checkpoint(run: Run, step: int, state: dict) -> None:
     the loop's state (step, records, KL coefficient), committed only once all are written."""
     ckpt_dir = os.path.join(run.cfg.out_dir, "checkpoints")
     tmp = os.path.join(ckpt_dir, f"step_{step}.tmp")
-    if run.ctl.is_main:
+    if run.controller.is_main:
         begin_checkpoint(ckpt_dir, step)
-    run.ctl.barrier()
+    run.controller.barrier()
     try:
         run.actor.save_checkpoint(os.path.join(tmp, "actor"))
         if run.critic:
             run.critic.save_checkpoint(os.path.join(tmp, "critic"))
-        if run.ctl.is_main:
+        if run.controller.is_main:
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
     except (OSError, RuntimeError) as error:  # e.g. a full disk (torch's writer says only "unexpected pos")
         shutil.rmtree(tmp, ignore_errors=True)  # the space it took; `latest` still names the previous checkpoint
@@ -476,13 +478,13 @@ def save_checkpoint(run: Run, step: int, state: dict) -> None:
         raise RuntimeError(f"writing checkpoint {tmp} failed ({error}); {free:.0f} MB free on the disk of "
                            f"{ckpt_dir}: free space (or fix its permissions) and run the same command to resume "
                            f"from {find_latest(ckpt_dir) or 'the start'}") from error
-    if run.ctl.is_main:
+    if run.controller.is_main:
         commit_checkpoint(ckpt_dir, step)
         evaluated = [r for r in state["records"] if "val/accuracy" in r and os.path.isdir(
             os.path.join(ckpt_dir, f"step_{r['step']}"))]
         best = max(evaluated, key=lambda r: (r["val/accuracy"], r["step"]), default=None)
         prune_checkpoints(ckpt_dir, run.cfg.max_ckpt_to_keep, {best["step"]} if best else set())
-    run.ctl.barrier()
+    run.controller.barrier()
 
 
 def resume(run: Run) -> tuple[int, list[dict], float]:
@@ -498,7 +500,7 @@ def resume(run: Run) -> tuple[int, list[dict], float]:
         if problems and cfg.resume == "latest":
             raise RuntimeError(f"resume latest: the latest checkpoint cannot be read: {problems[0]}; the newest "
                                f"readable one is {path} (--resume auto falls back to it)")
-        if problems and run.ctl.is_main:
+        if problems and run.controller.is_main:
             print(f"WARNING: cannot resume from the latest checkpoint: {'; '.join(problems)}. Falling back to "
                   f"{path or 'the start'}", file=sys.stderr, flush=True)
     elif path is not None and (problem := checkpoint_problem(path)):
@@ -509,7 +511,7 @@ def resume(run: Run) -> tuple[int, list[dict], float]:
     if run.critic:
         run.critic.load_checkpoint(os.path.join(path, "critic"))
     state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
-    if run.ctl.is_main:
+    if run.controller.is_main:
         print(f"resumed from {path} at step {state['step']}")
     kl_coef = state["kl_coef"] if cfg.kl_ctrl_type == "adaptive" else cfg.kl_coef
     return state["step"] + 1, state["records"], kl_coef
@@ -518,10 +520,10 @@ def resume(run: Run) -> tuple[int, list[dict], float]:
 def loop(run: Run) -> list[dict]:
     """The steps from the latest checkpoint (or 1) to total_steps, with evaluation, metrics.jsonl, checkpoints,
     the final export, curves.png and summary.json; returns the records (what rank 0 logs)."""
-    cfg, ctl, began = run.cfg, run.ctl, time.perf_counter()
+    cfg, controller, began = run.cfg, run.controller, time.perf_counter()
     start, records, kl_coef = resume(run)
     log = tracker = None
-    if ctl.is_main:  # only the main process writes files
+    if controller.is_main:  # only the main process writes files
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)
         path = os.path.join(cfg.out_dir, "metrics.jsonl")  # the checkpoint's records, then one line a step
@@ -541,7 +543,7 @@ def loop(run: Run) -> list[dict]:
         feed_pool(start - 1, run, {})
     if start == 1:
         emit({"step": 0, "prompt/num_truncated": run.num_truncated, **evaluate(run)})
-    for step in (bar := tqdm(range(start, cfg.total_steps + 1), desc="rl", disable=not ctl.is_main)):
+    for step in (bar := tqdm(range(start, cfg.total_steps + 1), desc="rl", disable=not controller.is_main)):
         metrics, _, kl_coef = rl_step(step, step_rows(step, run), run, kl_coef)
         if step % cfg.eval_every == 0 or step == cfg.total_steps:
             with timer("testing", metrics):
@@ -551,13 +553,13 @@ def loop(run: Run) -> list[dict]:
             save_checkpoint(run, step, {"step": step, "records": records, "kl_coef": kl_coef})
         acc = next(r["val/accuracy"] for r in reversed(records) if "val/accuracy" in r)  # the latest evaluation's
         bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", acc=f"{acc:.3f}")
-        for line in step_warnings(metrics, records[-2] if len(records) > 1 else {}) if ctl.is_main else ():
+        for line in step_warnings(metrics, records[-2] if len(records) > 1 else {}) if controller.is_main else ():
             tqdm.write(line)  # above the bar
 
     run.actor.export(os.path.join(cfg.out_dir, "final"))
     if run.critic:  # a later run can start its critic here (critic_model_path)
         run.critic.export(os.path.join(cfg.out_dir, "critic"))
-    if ctl.is_main:
+    if controller.is_main:
         plot_curves(records, os.path.join(cfg.out_dir, "curves.png"))
         log.close()
         tracker.close()
@@ -587,7 +589,8 @@ def check_out_dir(cfg: Config) -> None:
 
 
 def train(cfg: Config) -> list[dict]:
-    """Run cfg.total_steps RL steps on every rank (SPMD, under torchrun or in one process); returns the records."""
+    """Run cfg.total_steps RL steps on every rank (TorchrunController: under torchrun or in one process); returns the
+    records."""
     cfg = with_task_values(cfg, int(os.environ.get("RANK", "0")) == 0)
     check_out_dir(cfg)  # every rank reads the same folder, so all refuse together
     dist = init_distributed(cfg.dist_timeout_s)
@@ -605,7 +608,7 @@ def train(cfg: Config) -> list[dict]:
         task = load_task(cfg, model_path, train_files, val_files, dist.dp_size)  # bad data: named before the models
         actor = ActorWorker(cfg, model_path, dist)
         critic = CriticWorker(cfg, cfg.critic_model_path or model_path, dist) if cfg.adv_estimator == "gae" else None
-        records = loop(make_run(cfg, task, actor, critic, SPMD(dist)))
+        records = loop(make_run(cfg, task, actor, critic, TorchrunController(dist)))
         barrier(dist)  # the last collective: closing the engine destroys the default process group (vLLM's cleanup)
     actor.close()
     shutdown(dist)

@@ -317,9 +317,10 @@ class Pending:
 
 
 class Driver:
-    """The single controller's view of the step (ppo.SPMD's methods): it holds the whole batch (dp_rank 0 of 1 for
-    the data), computes every statistic over it (all_sum None), balances by reordering rows so that each rank's
-    contiguous chunk is what torchrun's balancing would give it, and runs independent worker calls at once."""
+    """The single controller's view of the step (ppo.TorchrunController's methods): it holds the whole batch
+    (dp_rank 0 of 1 for the data), computes every statistic over it (all_sum None), balances by reordering rows so
+    that each rank's contiguous chunk is what torchrun's balancing would give it, and runs independent worker calls
+    at once."""
 
     def __init__(self, ranks: int, restarts: int):
         self.dp_rank, self.dp_size, self.is_main, self.all_sum = 0, 1, True, None

@@ -152,7 +152,8 @@ class VLLMRollout:
             out = schedule(*args, **kwargs)
             self._kv["rollout/kv_cache_usage_max"] = Max(max(self._kv["rollout/kv_cache_usage_max"],
                                                              scheduler.kv_cache_manager.usage))
-            self._kv["rollout/preemptions"] = Sum(self._kv["rollout/preemptions"] + len(out.preempted_req_ids or ()))  # evicted for want of KV blocks
+            evicted = len(out.preempted_req_ids or ())  # requests preempted for want of KV blocks
+            self._kv["rollout/preemptions"] = Sum(self._kv["rollout/preemptions"] + evicted)
             return out
 
         scheduler.schedule = observed_schedule

@@ -304,7 +304,7 @@ class Worker:
                 limit = self.limits.get(phase, getattr(cfg, knob))
                 while True:  # once, unless an out-of-memory is retried with a smaller limit (oom_retry)
                     try:
-                        step = self.accumulate(mb, mask, counts, limit, fresh=epoch == 0 and i == 0)
+                        step = self.accumulate(mb, mask, counts, limit, first_mini_batch=epoch == 0 and i == 0)
                         break
                     except Exception as error:  # noqa: BLE001 (an out-of-memory is retried or named; the rest goes up)
                         limit = self.oom_retry(error, phase, knob, limit)
@@ -316,7 +316,7 @@ class Worker:
                 step[f"{self.role}/skipped_steps"] = float(not math.isfinite(grad_norm))
                 per_step.append(step)
         out = {}
-        for k in dict.fromkeys(k for s in per_step for k in s):  # some only on the first mini-batch (fresh)
+        for k in dict.fromkeys(k for s in per_step for k in s):  # some only on the first mini-batch
             values = [s[k] for s in per_step if k in s]
             out[k] = max(values) if isinstance(values[0], Max) else sum(values) / len(values)
         out[f"{self.role}/skipped_steps"] *= len(per_step)  # a count, not a mean
@@ -326,7 +326,8 @@ class Worker:
         out[f"{self.role}/over_budget_seqs"] = Sum(over)
         return out
 
-    def accumulate(self, mb: TensorDict, mask: torch.Tensor, counts: dict, limit: int, fresh: bool) -> dict:
+    def accumulate(self, mb: TensorDict, mask: torch.Tensor, counts: dict, limit: int,
+                   first_mini_batch: bool) -> dict:
         """Forward and backward over the micro-batches of mini-batch mb within `limit` (tokens under use_dynamic_bsz,
         else sequences), their gradients summed into the parameters' .grad; returns their metrics. Collective (the
         micro-batch count under use_dynamic_bsz; FSDP2's gathers and reduce-scatters)."""
@@ -335,7 +336,7 @@ class Worker:
         for j, part in enumerate(parts):
             self.at = (j, parts, mb)
             rows = torch.tensor(part)
-            loss, metrics = self.micro_batch_loss(self.to_device(mb[rows]), counts, fresh=fresh)
+            loss, metrics = self.micro_batch_loss(self.to_device(mb[rows]), counts, first_mini_batch=first_mini_batch)
             loss.backward()
             share = (mask[rows].sum() / mask.sum().clamp(min=1)).item()  # its token share, from the CPU batch
             for k, v in metrics.items():
@@ -509,9 +510,10 @@ class ActorWorker(Worker):
                                                                     remove_padding=self.remove_padding)[0],
                                       batch, phase)
 
-    def micro_batch_loss(self, micro: TensorDict, counts: dict, fresh: bool) -> tuple[torch.Tensor, dict]:
+    def micro_batch_loss(self, micro: TensorDict, counts: dict, first_mini_batch: bool) -> tuple[torch.Tensor, dict]:
         """Policy loss - entropy bonus (+ KL loss) of one micro-batch, scaled by its mini-batch's counts.
-        fresh: no optimizer step yet in this update, so logp is the sampling policy's (Config.old_log_probs)."""
+        first_mini_batch: no optimizer step yet in this update, so logp is the sampling policy's
+        (Config.old_log_probs)."""
         cfg, mask = self.cfg, self.loss_mask(micro)
         logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True,
                                            remove_padding=self.remove_padding,
@@ -520,7 +522,7 @@ class ActorWorker(Worker):
         old = (micro["old_log_probs"] if mode == "recompute" else micro["rollout_log_probs"] if mode == "rollout"
                else logp.detach())  # [b, R]
         gap = {}
-        if fresh and mode != "recompute":  # the engine-trainer gap, which the recomputing pass reports
+        if first_mini_batch and mode != "recompute":  # the engine-trainer gap, which the recomputing pass reports
             real = micro["response_mask"]
             diff = (micro["rollout_log_probs"] - logp.detach()).abs() * real  # [b, R]
             gap = {"rollout/logprob_diff_max": Max(diff.max().item()),
@@ -575,7 +577,7 @@ class CriticWorker(Worker):
             return self.map_micro_batches(lambda mb: response_values(self.model, mb, self.remove_padding), batch,
                                           "values")
 
-    def micro_batch_loss(self, micro: TensorDict, counts: dict, fresh: bool) -> tuple[torch.Tensor, dict]:
+    def micro_batch_loss(self, micro: TensorDict, counts: dict, first_mini_batch: bool) -> tuple[torch.Tensor, dict]:
         """The clipped value loss of one micro-batch against the returns, scaled by its mini-batch's counts."""
         values = response_values(self.model, micro, self.remove_padding)  # [b, R]
         loss, metrics = value_loss(values, micro["values"], micro["returns"], micro["response_mask"],

@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from comm import init_distributed  # noqa: E402
 from perf import model_flops, model_shape, peak_flops  # noqa: E402
 from config import Config, with_task_values  # noqa: E402
-from ppo import SPMD, load_task, make_run, prompt_indices, rl_step, warm_start_and_task_files  # noqa: E402
+from ppo import TorchrunController, load_task, make_run, prompt_indices, rl_step, warm_start_and_task_files  # noqa: E402
 from sft import SFTConfig, build_tiny_qwen2  # noqa: E402
 from sharding import DTYPES  # noqa: E402
 from workers import ActorWorker  # noqa: E402
@@ -151,7 +151,7 @@ def measure(size: str, dtype: str, bench: BenchConfig) -> dict:
         mode_cfg = replace(cfg, old_log_probs=mode, model_path=model_path)
         actor = ActorWorker(mode_cfg, model_path, dist)
         task = load_task(mode_cfg, model_path, train_files, val_files, 1)
-        run = make_run(mode_cfg, task, actor, None, SPMD(dist))
+        run = make_run(mode_cfg, task, actor, None, TorchrunController(dist))
         out["params"] = sum(p.numel() for p in actor.model.parameters())
         shape, peak = model_shape(actor.model), peak_flops(dist.device, DTYPES[dtype])
         times, mfu = {}, {}

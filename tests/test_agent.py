@@ -21,7 +21,7 @@ from comm import init_distributed
 from config import Config
 from conftest import toy_config
 from data import tokenize_prompt
-from ppo import SPMD, repad
+from ppo import TorchrunController, repad
 from workers import ActorWorker, pad_batch, response_lengths
 
 QUESTIONS = ["1+2=", "33-4=", "7+8=", "9-9=", "12+34=", "5-1="]
@@ -222,7 +222,7 @@ def test_dynamic_samplings_repad_keeps_the_tool_spans():
                   counts={"num_turns": [2], "tool_calls": [1], "tool_errors": [1]})
     for g, (i, s, v) in ((a, (0, 1.0, 3)), (b, (1, 0.0, 3))):
         g["index"], g["scores"], g["version"] = torch.tensor([i]), torch.tensor([s]), torch.tensor([v])
-    batch = repad([b, a], SPMD(init_distributed()), 0)
+    batch = repad([b, a], TorchrunController(init_distributed()), 0)
     assert batch["response_mask"].tolist() == [[1, 1, 0, 0, 1], [1, 0, 1, 0, 0]]
     assert response_lengths(batch).tolist() == [5, 3] and batch["tool_errors"].tolist() == [1, 0]
     assert batch["prompts"].tolist() == [[0, 7], [5, 6]] and batch["index"].tolist() == [1, 0]

@@ -16,7 +16,7 @@ import torch
 
 from config import Config
 from core_algos import (AggMode, agg_loss, compute_advantages, gae, gae_advantages,
-                        group_advantages, grpo_advantages, kl_in_reward, kl_penalty, last_token, lr_factor, masked_mean,
+                        group_advantages, grpo_advantages, kl_in_reward, kl_penalty, lr_factor, masked_mean, on_last_token,
                         overlong_penalty, rollout_mask,
                         masked_whiten, policy_loss, reinforce_pp_advantages, rloo_advantages, tis_weights,
                         head_log_probs, token_log_probs, update_kl_coef, value_loss)
@@ -577,12 +577,12 @@ ADV_MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0],
 
 
 def test_last_token_places_the_score_on_each_rows_last_real_token():
-    out = last_token(torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64), ADV_MASK)
+    out = on_last_token(torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64), ADV_MASK)
     assert out.tolist() == [[0.0, 0.0, 1.0, 0.0], [0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]]
     empty = torch.tensor([[1.0, 0.0], [0.0, 0.0]])  # a row without response tokens gets no reward
-    assert last_token(torch.tensor([3.0, 4.0]), empty).tolist() == [[3.0, 0.0], [0.0, 0.0]]
+    assert on_last_token(torch.tensor([3.0, 4.0]), empty).tolist() == [[3.0, 0.0], [0.0, 0.0]]
     turns = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # tool spans (mask 0)
-    assert last_token(torch.tensor([5.0, 6.0]), turns).tolist() == [[0.0] * 4 + [5.0, 0.0], [6.0] + [0.0] * 5]
+    assert on_last_token(torch.tensor([5.0, 6.0]), turns).tolist() == [[0.0] * 4 + [5.0, 0.0], [6.0] + [0.0] * 5]
 
 
 def test_kl_in_reward_by_hand():
@@ -590,7 +590,7 @@ def test_kl_in_reward_by_hand():
     logp = torch.tensor([[-1.0, -2.0, -0.5, -9.0], [-0.25, -3.0, -9.0, -9.0]], dtype=torch.float64)
     ref = torch.tensor([[-2.0, -1.0, -0.5, 0.0], [-0.75, -1.0, 0.0, 0.0]], dtype=torch.float64)
     # k1 = logp - ref: [[1, -1, 0, pad], [0.5, -2, pad, pad]]; per-response means 0 and -0.75
-    token_rewards = last_token(torch.tensor([1.0, 0.0], dtype=torch.float64), mask)
+    token_rewards = on_last_token(torch.tensor([1.0, 0.0], dtype=torch.float64), mask)
     rewards, mean_kl = kl_in_reward(token_rewards, logp, ref, mask, 0.1, "k1")
     close(rewards, [[-0.1, 0.1, 1.0, 0.0], [-0.05, 0.2, 0.0, 0.0]])
     assert mean_kl == approx((0.0 - 0.75) / 2)
