@@ -47,7 +47,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
             if key in name:
                 return single if dtype == torch.float32 else half
     key = f"{name} {dtype}"
-    cached = json.load(open(CACHE)) if os.path.exists(CACHE) else {}
+    cached = {}
+    if os.path.exists(CACHE):
+        with open(CACHE) as f:
+            cached = json.load(f)
     if key not in cached:
         cached[key] = matmul_peak(device, dtype)
         os.makedirs(os.path.dirname(CACHE), exist_ok=True)
@@ -58,9 +61,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return cached[key]
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, size: int = 2048) -> float:
-    """Best FLOP/s of a size x size matmul in dtype on device, over 5 tries (8192 on a GPU, to fill it)."""
-    size = 8192 if device.type == "cuda" else size
+def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """Best FLOP/s of a square matmul in dtype on device over 5 tries: 2048 on CPU, 8192 on a GPU (to fill it)."""
+    size = 8192 if device.type == "cuda" else 2048
     a = torch.randn(size, size, device=device).to(dtype)  # [size, size]
     best = float("inf")
     for _ in range(6):  # the first warms up
@@ -129,9 +132,9 @@ def is_oom(error: BaseException) -> bool:
 
 def allreduce_ms(group, device: torch.device, numel: int = 1 << 18) -> float:
     """Milliseconds of one all-reduce of numel fp32 values (1 MB) over group, after a barrier so that no rank's lateness
-    counts: the interconnect's latency as the gradients' reduce-scatters see it. Collective."""
+    counts: the interconnect's latency as the gradients' reduce-scatters see it (the first call also pays the
+    connection's set-up). Collective."""
     x = torch.ones(numel, device=device)  # [numel]
-    tdist.all_reduce(x, group=group)  # warm: the first call sets up the connection's buffers
     tdist.barrier(group=group)
     synchronize()
     start = time.perf_counter()

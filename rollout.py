@@ -86,6 +86,11 @@ def make_rollout(backend: str, *, model_path: str, model, tokenizer, device: tor
 # ---------------------------------------------------------------------------------------------------
 
 
+def no_kv_use() -> dict:
+    """VLLMRollout.kv_cache_stats before the engine's first step: no block used, no request preempted."""
+    return {"rollout/kv_cache_usage_max": Max(0.0), "rollout/preemptions": Sum(0.0)}
+
+
 class VLLMRollout:
     """An in-process vLLM engine. Keep it alive for the whole run: its shutdown destroys the default
     process group (vLLM's cleanup), so close() comes after the run's last collective.
@@ -144,7 +149,7 @@ class VLLMRollout:
         logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
         self._warned_sleep = False
         # the KV cache's use, as vLLM's scheduler reports it after each of its steps (kv_cache_stats)
-        self._kv = {"rollout/kv_cache_usage_max": Max(0.0), "rollout/preemptions": Sum(0.0)}
+        self._kv = no_kv_use()
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
         schedule = scheduler.schedule
 
@@ -213,7 +218,7 @@ class VLLMRollout:
         """Since the last call: the KV cache's highest use (0-1: the share of its blocks, after a scheduler step) and
         how many requests were preempted for want of blocks (they recompute: a larger --gpu-memory-utilization or
         fewer samples at once avoids it)."""
-        out, self._kv = self._kv, {"rollout/kv_cache_usage_max": Max(0.0), "rollout/preemptions": Sum(0.0)}
+        out, self._kv = self._kv, no_kv_use()
         return out
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
