@@ -7,14 +7,14 @@
 This file splits, packs, unpacks and balances; it knows nothing about RL. The API (every function that takes
 `dist` is a collective: call it on every dp rank, in the same order):
 
-    parts = karmarkar_karp(workloads, k, equal_size=True)      # k lists of indices with similar workload sums
+    subsets = karmarkar_karp(workloads, k, equal_size=True)    # k lists of indices with similar workload sums
     batch, metrics = balance_ranks(batch, seqlens, workloads, dist, unit=n)   # rows re-dealt across dp ranks
     batch, metrics = balance_whole(batch, seqlens, workloads, k, unit=n)      # the same, one process holding all
-    parts = micro_batches(seqlens, max_tokens, dist)           # index lists, <= max_tokens each, same count on all ranks
+    micro_rows = micro_batches(seqlens, max_tokens, dist)      # index lists, <= max_tokens each, same count on all ranks
     ids, mask = pad(token_lists, pad_id, left=True)             # [B, T] each: the one way a batch is padded
     packed = pack(input_ids, attention_mask)                    # [b, T] -> one row [1, N], position_ids restart
-    keep = (packed.where[:, -R - 1 : -1] >= 0) & response_mask  # [b, R]: the positions that predict response tokens
-    values = unpack(per_token[packed.where[keep]], keep)        # [N, ...] -> [b, R, ...], 0 at padding
+    keep = (packed.flat_index[:, -R - 1 : -1] >= 0) & response_mask  # [b, R]: the positions that predict response tokens
+    values = unpack(per_token[packed.flat_index[keep]], keep)        # [N, ...] -> [b, R, ...], 0 at padding
     packing_works(model)                                        # does the attention keep packed sequences apart?
 
 A sequence's tokens are its real (unpadded) tokens: the budget counts what a packed micro-batch computes.
@@ -37,23 +37,23 @@ from comm import Dist, all_max
 
 
 def karmarkar_karp(workloads: list[float], k: int, equal_size: bool) -> list[list[int]]:
-    """Indices of workloads in k parts whose sums are close (equal_size: every part gets len/k items).
+    """Indices of workloads in k subsets whose sums are close (equal_size: every subset gets len/k items).
 
     Karmarkar & Karp 1982, "largest differencing method", k-way form (as in verl's get_seqlen_balanced_partitions):
-    every state is k parts; repeatedly take the two states with the largest spread (max sum - min sum) and merge
+    every state is k subsets; repeatedly take the two states with the largest spread (max sum - min sum) and merge
     them, the heaviest part of one with the lightest of the other, so their differences cancel.
     """
     if equal_size and len(workloads) % k:
-        raise ValueError(f"{len(workloads)} items cannot go to {k} parts of equal size")
+        raise ValueError(f"{len(workloads)} items cannot go to {k} subsets of equal size")
     order = sorted(range(len(workloads)), key=lambda i: workloads[i])
     # equal size: states of k consecutive items (in sorted order), one per part; merges keep the counts equal.
-    # otherwise: one state per item, the item in one part and k - 1 empty parts.
+    # otherwise: one state per item, the item in one part and k - 1 empty subsets.
     seeds = [order[i : i + k] for i in range(0, len(order), k)] if equal_size else [[i] for i in order]
     heap = []
     for tie, items in enumerate(seeds):
-        parts = [(workloads[i], [i]) for i in items] + [(0.0, []) for _ in range(k - len(items))]
-        parts.sort(key=lambda p: -p[0])
-        heap.append((-(parts[0][0] - parts[-1][0]), tie, parts))  # heapq is a min-heap: negated spread
+        subsets = [(workloads[i], [i]) for i in items] + [(0.0, []) for _ in range(k - len(items))]
+        subsets.sort(key=lambda p: -p[0])
+        heap.append((-(subsets[0][0] - subsets[-1][0]), tie, subsets))  # heapq is a min-heap: negated spread
     heapq.heapify(heap)
     tie = len(heap)
     while len(heap) > 1:
@@ -63,11 +63,11 @@ def karmarkar_karp(workloads: list[float], k: int, equal_size: bool) -> list[lis
         merged = sorted(((wa + wb, ia + ib) for (wa, ia), (wb, ib) in zip(a, reversed(b))), key=lambda p: -p[0])
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
         tie += 1
-    parts = [items for _, items in heap[0][2]] if heap else [[] for _ in range(k)]
-    return [sorted(p) for p in _swap_pass(workloads, parts)]
+    subsets = [items for _, items in heap[0][2]] if heap else [[] for _ in range(k)]
+    return [sorted(p) for p in _swap_pass(workloads, subsets)]
 
 
-def _swap_pass(workloads: list[float], parts: list[list[int]]) -> list[list[int]]:
+def _swap_pass(workloads: list[float], subsets: list[list[int]]) -> list[list[int]]:
     """Local search after KK: the heaviest and the lightest part trade one item each while that narrows their gap.
 
     The equal-size KK above can leave one very long sequence's part too heavy (its seeds pair items of similar
@@ -75,24 +75,24 @@ def _swap_pass(workloads: list[float], parts: list[list[int]]) -> list[list[int]
     the pass ends. It keeps every part's count.
     """
     while True:
-        sums = [sum(workloads[i] for i in p) for p in parts]
-        hi, lo = max(range(len(parts)), key=sums.__getitem__), min(range(len(parts)), key=sums.__getitem__)
+        sums = [sum(workloads[i] for i in p) for p in subsets]
+        hi, lo = max(range(len(subsets)), key=sums.__getitem__), min(range(len(subsets)), key=sums.__getitem__)
         gap = sums[hi] - sums[lo]
         # the best pair moves half the gap: for each h, the l nearest to h - gap / 2 (bisect on sorted l)
-        light = sorted(parts[lo], key=workloads.__getitem__)
+        light = sorted(subsets[lo], key=workloads.__getitem__)
         light_w = [workloads[i] for i in light]
         best = None
-        for h in parts[hi]:
+        for h in subsets[hi]:
             j = bisect.bisect_left(light_w, workloads[h] - gap / 2)
             for l in light[max(0, j - 1) : j + 1]:
                 moved = workloads[h] - workloads[l]
                 if 0 < moved < gap and (best is None or abs(moved - gap / 2) < abs(best[2] - gap / 2)):
                     best = (h, l, moved)
         if best is None:
-            return parts
+            return subsets
         h, l, _ = best
-        parts[hi] = [i for i in parts[hi] if i != h] + [l]
-        parts[lo] = [i for i in parts[lo] if i != l] + [h]
+        subsets[hi] = [i for i in subsets[hi] if i != h] + [l]
+        subsets[lo] = [i for i in subsets[lo] if i != l] + [h]
 
 
 def flops_workload(seqlens: torch.Tensor, hidden_size: int) -> torch.Tensor:
@@ -126,13 +126,13 @@ def _spread(prefix: str, sums: list[float]) -> dict:
             f"global_seqlen/{prefix}minmax_diff": max(sums) - min(sums)}
 
 
-def balanced_parts(unit_work: torch.Tensor, unit_len: torch.Tensor, k: int) -> tuple[list[list[int]], dict]:
+def balanced_units(unit_work: torch.Tensor, unit_len: torch.Tensor, k: int) -> tuple[list[list[int]], dict]:
     """Units (consecutive rows that move together) of the whole batch, rank-major, dealt to k ranks by workload:
     (each rank's unit indices, sorted; verl's global_seqlen metrics of the contiguous split and of the balanced one)."""
-    parts = karmarkar_karp(unit_work.tolist(), k, equal_size=True)
+    rank_units = karmarkar_karp(unit_work.tolist(), k, equal_size=True)
     before = unit_len.view(k, -1).sum(-1).tolist()  # the contiguous split: what each rank held
-    after = [unit_len[p].sum().item() for p in parts]
-    return parts, {**_spread("", before), **_spread("balanced_", after)}
+    after = [unit_len[p].sum().item() for p in rank_units]
+    return rank_units, {**_spread("", before), **_spread("balanced_", after)}
 
 
 def _unit_rows(units: list[int], unit: int) -> torch.Tensor:
@@ -146,7 +146,8 @@ def balance_ranks(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Ten
     batch holds this rank's rows (the same shapes on every rank); seqlens [B] and workloads [B] are per row.
     Rows move in units of `unit` consecutive rows (e.g. a prompt's n samples stay together and in order).
     Returns this rank's new rows, in their global order, and the global_seqlen metrics (tokens per rank).
-    One process: the batch as it is.
+    Collectives: two all-gathers of the units' sums, then each row goes only to the rank that takes it (one
+    all-to-all per dtype). One process: the batch as it is.
     """
     B = batch.batch_size[0]
     if B % unit:
@@ -156,9 +157,30 @@ def balance_ranks(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Ten
         return batch, {**_spread("", [total]), **_spread("balanced_", [total])}
     unit_work = _all_gather(workloads.double().view(-1, unit).sum(-1), dist)  # [dp * B / unit], rank-major
     unit_len = _all_gather(seqlens.double().view(-1, unit).sum(-1), dist)  # [dp * B / unit]
-    parts, metrics = balanced_parts(unit_work, unit_len, dist.dp_size)
-    everyone = TensorDict({k: _all_gather(batch[k], dist) for k in sorted(batch.keys())}, batch_size=[B * dist.dp_size])
-    return everyone[_unit_rows(parts[dist.dp_rank], unit)], metrics
+    ranks_units, metrics = balanced_units(unit_work, unit_len, dist.dp_size)
+    mine = range(dist.dp_rank * (B // unit), (dist.dp_rank + 1) * (B // unit))  # my units' global indices
+    outgoing = [[u - mine.start for u in units if u in mine] for units in ranks_units]  # my units, per destination
+    receives = [sum(u // (B // unit) == src for u in ranks_units[dist.dp_rank]) * unit for src in range(dist.dp_size)]
+    rows = _unit_rows(sum(outgoing, []), unit)  # [B]
+    return _exchange(batch, rows, [len(units) * unit for units in outgoing], receives, dist), metrics
+
+
+def _exchange(batch: TensorDict, rows: torch.Tensor, sends: list[int], receives: list[int], dist: Dist) -> TensorDict:
+    """batch[rows] sent out in rank order (sends[r] rows to rank r) and receives[r] rows taken from each rank r, in
+    rank order: one all_to_all_single per dtype, each key's values flattened into columns of one [rows, D] tensor."""
+    out = {}
+    for dtype in dict.fromkeys(batch[k].dtype for k in batch.keys()):
+        keys = sorted(k for k in batch.keys() if batch[k].dtype == dtype)
+        send = torch.cat([batch[k][rows].reshape(len(rows), -1) for k in keys], 1)  # [rows, D]
+        got = send.new_empty(sum(receives), send.shape[1], device=dist.device)  # [received rows, D]
+        tdist.all_to_all_single(got, send.to(dist.device).contiguous(), receives, sends,
+                                group=dist.mesh["dp"].get_group())
+        got, start = got.to(send.device), 0
+        for k in keys:
+            shape = batch[k].shape[1:]
+            out[k] = got[:, start : start + shape.numel()].reshape(-1, *shape)
+            start += shape.numel()
+    return TensorDict(out, batch_size=[sum(receives)])
 
 
 def balance_whole(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Tensor, k: int,
@@ -167,8 +189,8 @@ def balance_whole(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Ten
     its contiguous split into k equal chunks gives each of k ranks what balance_ranks would give it."""
     unit_work = workloads.double().view(-1, unit).sum(-1)  # [B / unit]
     unit_len = seqlens.double().view(-1, unit).sum(-1)  # [B / unit]
-    parts, metrics = balanced_parts(unit_work, unit_len, k)
-    return batch[torch.cat([_unit_rows(p, unit) for p in parts])], metrics
+    rank_units, metrics = balanced_units(unit_work, unit_len, k)
+    return batch[torch.cat([_unit_rows(units, unit) for units in rank_units])], metrics
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,8 +201,8 @@ def balance_whole(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Ten
 def split_by_tokens(seqlens: list[int], max_tokens: int, min_count: int = 1) -> list[list[int]]:
     """Index lists (at least min_count of them) whose token sums stay within max_tokens.
 
-    A sequence longer than max_tokens gets a micro-batch of its own. Karmarkar-Karp into k parts, k from the
-    fewest that could hold the tokens upwards, until every part fits: balanced parts, so the dp ranks that run
+    A sequence longer than max_tokens gets a micro-batch of its own. Karmarkar-Karp into k micro_rows, k from the
+    fewest that could hold the tokens upwards, until every part fits: balanced micro_rows, so the dp ranks that run
     micro-batch i at the same time (FSDP's collectives) wait little for each other.
     """
     if not 1 <= min_count <= max(1, len(seqlens)):
@@ -188,9 +210,9 @@ def split_by_tokens(seqlens: list[int], max_tokens: int, min_count: int = 1) -> 
     k = max(min_count, math.ceil(sum(seqlens) / max_tokens))
     while True:
         # with k >= len(seqlens) every part holds one sequence, so this ends
-        parts = [p for p in karmarkar_karp(seqlens, min(k, len(seqlens)), equal_size=False) if p]
-        if all(len(p) == 1 or sum(seqlens[i] for i in p) <= max_tokens for p in parts):
-            return parts
+        micro_rows = [p for p in karmarkar_karp(seqlens, min(k, len(seqlens)), equal_size=False) if p]
+        if all(len(p) == 1 or sum(seqlens[i] for i in p) <= max_tokens for p in micro_rows):
+            return micro_rows
         k += 1
 
 
@@ -201,12 +223,12 @@ def micro_batches(seqlens: torch.Tensor, max_tokens: int, dist: Dist) -> list[li
     rank): the ranks agree on the largest count, and a rank that needs fewer splits further.
     """
     lengths = seqlens.tolist()
-    parts = split_by_tokens(lengths, max_tokens)
+    micro_rows = split_by_tokens(lengths, max_tokens)
     while True:
-        most, fewest = all_max([len(parts), -len(parts)], dist)
+        most, fewest = all_max([len(micro_rows), -len(micro_rows)], dist)
         if -fewest == most:
-            return parts
-        parts = split_by_tokens(lengths, max_tokens, min_count=int(most))
+            return micro_rows
+        micro_rows = split_by_tokens(lengths, max_tokens, min_count=int(most))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,24 +253,24 @@ class Packed:
     """[1, N]: the real tokens of every sequence, one sequence after the other."""
     position_ids: torch.Tensor
     """[1, N]: 0, 1, ... restarting at each sequence (how transformers tells the sequences apart)."""
-    where: torch.Tensor
+    flat_index: torch.Tensor
     """[b, T]: the packed position of each padded-layout token, -1 at padding."""
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     """Drop the padding of a [b, T] batch: one row of N = attention_mask.sum() tokens."""
     keep = attention_mask.bool()  # [b, T]
-    where = torch.full_like(input_ids, -1)  # [b, T]
-    where[keep] = torch.arange(int(keep.sum()), device=input_ids.device)
+    flat_index = torch.full_like(input_ids, -1)  # [b, T]
+    flat_index[keep] = torch.arange(int(keep.sum()), device=input_ids.device)
     position_ids = (attention_mask.cumsum(1) - 1)[keep]  # [N]: a sequence's real tokens count from 0
-    return Packed(input_ids[keep][None], position_ids[None], where)
+    return Packed(input_ids[keep][None], position_ids[None], flat_index)
 
 
 def unpack(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Per-token outputs [n, ...] of the positions where keep [b, t] is True back to a padded [b, t, ...] (0 elsewhere).
 
-    The caller picks the packed rows first, x = out[packed.where[keep]], e.g. keep = the positions that predict a
-    response token ((packed.where[:, -R - 1 : -1] >= 0) & response_mask): V-wide logits are computed for those only.
+    The caller picks the packed rows first, x = out[packed.flat_index[keep]], e.g. keep = the positions that predict a
+    response token ((packed.flat_index[:, -R - 1 : -1] >= 0) & response_mask): V-wide logits are computed for those only.
     """
     out = x.new_zeros(*keep.shape, *x.shape[1:])  # [b, t, ...]
     out[keep] = x

@@ -69,7 +69,8 @@ def agg_loss(loss_mat, mask, mode: AggMode, n_tokens=None, n_seqs=None, norm_len
 
 
 def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, clip_c, agg_mode, tis=None, **agg_kw):
-    """PPO clipped surrogate with dual-clip; returns (loss, metrics of clipping and approximate KL).
+    """PPO clipped surrogate with dual-clip; returns (loss, metrics of clipping and approximate KL: 0-d tensors,
+    read once per mini-batch, so the update makes no host sync per micro-batch).
 
     logp, old_logp, adv, mask: [B, R]. Clip-higher (DAPO) uses clip_high > clip_low. tis: per-token weights
     [B, R] (tis_weights) multiplying the token losses, or None.
@@ -87,9 +88,9 @@ def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, clip_c, agg_mode
     if tis is not None:
         loss_mat = loss_mat * tis
     metrics = {
-        "actor/pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
-        "actor/pg_clipfrac_lower": masked_mean(((loss_ppo > -adv * clip_c) & (adv < 0)).float(), mask).item(),
-        "actor/ppo_kl": masked_mean(-log_ratio, mask).item(),
+        "actor/pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).detach(),
+        "actor/pg_clipfrac_lower": masked_mean(((loss_ppo > -adv * clip_c) & (adv < 0)).float(), mask).detach(),
+        "actor/ppo_kl": masked_mean(-log_ratio, mask).detach(),
     }
     return agg_loss(loss_mat, mask, agg_mode, **agg_kw), metrics
 
@@ -104,8 +105,8 @@ def tis_weights(old_logp, rollout_logp, mask, cap: float, level: str = "token") 
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)  # [B, R]: the response's log-ratio
     ratio = log_ratio.clamp(max=20.0).exp()  # [B, R], clamped so exp cannot overflow
     weights = masked(ratio.clamp(max=cap), mask).detach()  # [B, R], 0 at padding
-    return weights, {"actor/tis_weight_mean": masked_mean(weights, mask).item(),
-                     "actor/tis_clipfrac": masked_mean((ratio > cap).float(), mask).item()}
+    return weights, {"actor/tis_weight_mean": masked_mean(weights, mask).detach(),
+                     "actor/tis_clipfrac": masked_mean((ratio > cap).float(), mask).detach()}
 
 
 def rollout_mask(old_logp, rollout_logp, mask, level: str, low: float, high: float) -> tuple[torch.Tensor, dict]:
@@ -144,8 +145,8 @@ def value_loss(values, old_values, returns, mask, clip, agg_mode, **agg_kw):
     clipped = old_values + (values - old_values).clamp(-clip, clip)  # [B, R]
     loss_unclipped, loss_clipped = (values - returns).square(), (clipped - returns).square()  # [B, R] each
     loss_mat = 0.5 * torch.maximum(loss_unclipped, loss_clipped)  # [B, R]
-    metrics = {"critic/vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
-               "critic/vpred_mean": masked_mean(values, mask).item()}
+    metrics = {"critic/vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).detach(),
+               "critic/vpred_mean": masked_mean(values, mask).detach()}
     return agg_loss(loss_mat, mask, agg_mode, **agg_kw), metrics
 
 

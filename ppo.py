@@ -40,12 +40,12 @@ from config import START_HERE, Config, split_files, with_task_values
 from core_algos import compute_advantages, kl_in_reward, on_last_token, overlong_penalty, rollout_mask, update_kl_coef
 from data import RLDataset, load_reward_fn, load_tokenizer, score_responses
 from fileio import write_atomic
-from rollout import COUNTS, sample_seed
+from rollout import sample_seed
 from sharding import (begin_checkpoint, checkpoint_problem, commit_checkpoint, find_latest, prune_checkpoints,
                       readable_checkpoint)
 from tracking import Tracking, plot_curves, run_summary, step_warnings
 from watchdog import watch_ranks
-from workers import ActorWorker, CriticWorker, batch_widths, pad_batch, response_lengths
+from workers import ActorWorker, CriticWorker, batch_widths, repadded, response_lengths
 
 # ---------------------------------------------------------------------------------------------------
 # The controller: how the step's batch relates to the data-parallel ranks
@@ -297,17 +297,10 @@ def rollout_and_score(step: int, rows: list[dict], run: Run, metrics: dict) -> T
 def repad(groups: list[TensorDict], controller, pad_id: int) -> TensorDict:
     """Groups from several generate calls (each padded to its own widths) as one batch, padded to the widest prompt
     and response over every rank (the same shapes everywhere, as balancing needs)."""
-    rows = [g[i] for g in groups for i in range(g.batch_size[0])]
-    prompts = [r["prompts"][r["attention_mask"][: r["prompts"].shape[0]].bool()].tolist() for r in rows]
-    lengths = torch.cat([response_lengths(g) for g in groups]).tolist()
-    responses = [r["responses"][:k].tolist() for r, k in zip(rows, lengths)]
-    batch = pad_batch(prompts, responses, [r["rollout_log_probs"][:k].tolist() for r, k in zip(rows, lengths)], pad_id,
-                      batch_widths(prompts, responses, controller.all_max),
-                      [r["response_mask"][:k].tolist() for r, k in zip(rows, lengths)])
-    for key in ("index", "scores", "version", *COUNTS):
-        if key in rows[0].keys():
-            batch[key] = torch.stack([r[key] for r in rows])  # [B]
-    return batch
+    prompt = max(int(g["attention_mask"][:, : g["prompts"].shape[1]].sum(-1).max()) for g in groups)
+    response = max(int(response_lengths(g).max()) for g in groups)
+    widths = batch_widths(prompt, response, controller.all_max)
+    return torch.cat([repadded(g, widths, pad_id) for g in groups])
 
 
 def policy_loss_mask(batch: TensorDict, cfg: Config, eos_id: int) -> tuple[torch.Tensor, dict]:

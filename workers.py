@@ -47,8 +47,6 @@ from rollout import HFRollout, make_rollout
 from sharding import (DTYPES, cast_dtype, clip_grad_norm, export_hf, full_weights, load_sharded, load_sharded_model,
                       move_model, placed, save_sharded, weight_buckets)
 
-LOSS_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")  # summed over micro-batches
-
 
 # ---------------------------------------------------------------------------------------------------
 # The batch and the forward passes over it
@@ -64,27 +62,52 @@ def pad_batch(prompts: list[list[int]], responses: list[list[int]], rollout_logp
     masks: multi-turn responses' masks (agent.py: 0 on a tool's tokens), the response_mask; the attention covers
     every token. counts: per-response values (num_turns, tool_calls, tool_errors), each a [B] key.
     """
-    B, (P, R) = len(responses), widths or (max(map(len, prompts)), max(1, max(map(len, responses))))
+    P, R = widths or (max(map(len, prompts)), max(1, max(map(len, responses))))
     prompt_ids, prompt_mask = pad(prompts, pad_id, P, left=True)  # [B, P] each
     response_ids, response_attention = pad(responses, pad_id, R)  # [B, R] each
     response_mask = response_attention.float() if masks is None else pad(masks, 0.0, R)[0].float()  # [B, R]
-    rollout_log_probs = pad(rollout_logps, 0.0, R)[0].float()  # [B, R]
-    attention_mask = torch.cat([prompt_mask, response_attention], 1)  # [B, P + R]
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, P + R], 0 at the first real token
-    batch = TensorDict(
-        prompts=prompt_ids, responses=response_ids, input_ids=torch.cat([prompt_ids, response_ids], 1),
-        attention_mask=attention_mask, position_ids=position_ids, response_mask=response_mask,
-        rollout_log_probs=rollout_log_probs, batch_size=[B],
-    )
+    batch = layout(prompt_ids, prompt_mask, response_ids, response_attention, response_mask,
+                   pad(rollout_logps, 0.0, R)[0].float())
     for key, values in (counts or {}).items():
         batch[key] = torch.tensor(values)  # [B]
     return batch
 
 
-def batch_widths(prompts: list[list[int]], responses: list[list[int]], all_max) -> tuple[int, int]:
+def layout(prompt_ids, prompt_mask, response_ids, response_attention, response_mask, rollout_log_probs) -> TensorDict:
+    """The batch from its padded prompts [B, P] and responses [B, R] (ids, attention, response_mask, log-probs)."""
+    attention_mask = torch.cat([prompt_mask, response_attention], 1)  # [B, P + R]
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, P + R], 0 at the first real token
+    return TensorDict(
+        prompts=prompt_ids, responses=response_ids, input_ids=torch.cat([prompt_ids, response_ids], 1),
+        attention_mask=attention_mask, position_ids=position_ids, response_mask=response_mask,
+        rollout_log_probs=rollout_log_probs, batch_size=[prompt_ids.shape[0]],
+    )
+
+
+def repadded(batch: TensorDict, widths: tuple[int, int], pad_id: int) -> TensorDict:
+    """batch laid out at widths (P, R): the prompts' left padding and the responses' right padding cut or extended
+    (the widths must hold every real token); per-response keys [B] kept."""
+    P, R = widths
+    p = batch["prompts"].shape[1]
+
+    def fit(x: torch.Tensor, width: int, left: bool, value=0) -> torch.Tensor:  # [B, width]
+        if width <= x.shape[1]:
+            return x[:, x.shape[1] - width :] if left else x[:, :width]
+        return torch.nn.functional.pad(x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
+
+    out = layout(fit(batch["prompts"], P, True, pad_id), fit(batch["attention_mask"][:, :p], P, True),
+                 fit(batch["responses"], R, False, pad_id), fit(batch["attention_mask"][:, p:], R, False),
+                 fit(batch["response_mask"], R, False), fit(batch["rollout_log_probs"], R, False))
+    for key in batch.keys():
+        if batch[key].dim() == 1:
+            out[key] = batch[key]
+    return out
+
+
+def batch_widths(longest_prompt: int, longest_response: int, all_max) -> tuple[int, int]:
     """The padded widths (P, R) that every rank's batch shares, so rows can move between ranks: the longest prompt
     and response over the ranks (all_max: comm.all_max over them; a controller holding the whole batch's identity)."""
-    P, R = all_max([max(map(len, prompts)), max(1, max(map(len, responses)))])
+    P, R = all_max([longest_prompt, max(1, longest_response)])
     return int(P), int(R)
 
 
@@ -105,9 +128,9 @@ def response_positions(batch: TensorDict, remove_padding: bool) -> tuple[dict, t
         columns = torch.arange(T - R - 1, T - 1, device=batch["input_ids"].device)
         return inputs, columns, batch["response_mask"].bool()
     packed = pack(batch["input_ids"], batch["attention_mask"])  # [1, N]; use_cache=False, or no packing is detected
-    where = packed.where[:, -R - 1 : -1]  # [B, R]: the packed positions that predict the response tokens
-    keep = (where >= 0) & batch["response_mask"].bool()  # [B, R]
-    return dict(input_ids=packed.input_ids, position_ids=packed.position_ids), where[keep], keep
+    predicting = packed.flat_index[:, -R - 1 : -1]  # [B, R]: the packed positions that predict the response tokens
+    keep = (predicting >= 0) & batch["response_mask"].bool()  # [B, R]
+    return dict(input_ids=packed.input_ids, position_ids=packed.position_ids), predicting[keep], keep
 
 
 @contextmanager
@@ -157,7 +180,8 @@ def response_values(model, batch: TensorDict, remove_padding: bool = False) -> t
 class Worker:
     """A trainable model (FSDP2 over the worker's dp ranks, the plain model in one process), its tokenizer and AdamW,
     micro-batches, the PPO update, checkpoints and export. Subclasses set role (the metrics' prefix) and give
-    micro_batch_loss."""
+    micro_batch_loss -> (loss, {"sum": .., "mean": .., "max": ..}): its metrics as 0-d tensors, each dict declaring how
+    micro-batches combine (loss terms add up, per-token means weigh by token share, maxima take the largest)."""
 
     role: str
 
@@ -182,7 +206,7 @@ class Worker:
         self.all_sum = all_sum_fn(dist)  # the update's token and sequence counts over the ranks
         self.at = None  # (micro-batch index, the phase's micro-batches, their batch): what an out-of-memory names
 
-    def micro_batch_parts(self, batch: TensorDict, max_tokens: int | None, rows: int = 0) -> list[list[int]]:
+    def micro_batch_rows(self, batch: TensorDict, max_tokens: int | None, rows: int = 0) -> list[list[int]]:
         """Row indices of batch's micro-batches: within max_tokens (the no-grad passes always; the update with
         use_dynamic_bsz), else `rows` rows each. Collective with a token budget (batching.micro_batches: the ranks
         agree on the count)."""
@@ -209,16 +233,16 @@ class Worker:
         micro-batch count; FSDP2's gathers in fn)."""
         limit = self.limits.get(phase, self.cfg.log_prob_max_token_len_per_gpu)
         while True:
-            parts, outs = self.micro_batch_parts(batch, limit), []
+            micro_rows, outs = self.micro_batch_rows(batch, limit), []
             try:
-                for i, part in enumerate(parts):
-                    self.at = (i, parts, batch)
-                    outs.append(fn(self.to_device(batch[torch.tensor(part)])).cpu())
+                for i, rows in enumerate(micro_rows):
+                    self.at = (i, micro_rows, batch)
+                    outs.append(fn(self.to_device(batch[torch.tensor(rows)])).cpu())
                 break
             except Exception as error:  # noqa: BLE001 (an out-of-memory is retried or named; the rest goes up)
                 limit = self.oom_retry(error, phase, "log_prob_max_token_len_per_gpu", limit)
-        rows = torch.tensor([i for p in parts for i in p])  # [B], the order the micro-batches ran in
-        return torch.cat(outs)[rows.argsort()]  # [B, ...]
+        order = torch.tensor([i for rows in micro_rows for i in rows])  # [B], the order the micro-batches ran in
+        return torch.cat(outs)[order.argsort()]  # [B, ...]
 
     @contextmanager
     def measured(self, phase: str):
@@ -249,17 +273,17 @@ class Worker:
         self.opt.zero_grad(set_to_none=True)  # a micro-batch's half-made gradient: the retry starts clean
         if self.dist.device.type == "cuda":
             torch.cuda.empty_cache()
-        i, parts, batch = self.at
-        seqlens = batch["attention_mask"].sum(-1)[torch.tensor(parts[i])]  # [b]
-        where = (f"{self.role} {phase}: micro-batch {i + 1} of {len(parts)} ({len(parts[i])} sequences, "
+        i, micro_rows, batch = self.at
+        seqlens = batch["attention_mask"].sum(-1)[torch.tensor(micro_rows[i])]  # [b]
+        site = (f"{self.role} {phase}: micro-batch {i + 1} of {len(micro_rows)} ({len(micro_rows[i])} sequences, "
                  f"{int(seqlens.sum())} tokens) under {knob}={limit}")
-        if not self.cfg.oom_retry or max(map(len, parts)) == 1:  # one sequence a micro-batch: nothing left to halve
-            raise OutOfMemory(f"out of memory in {where}. Lower --{knob.replace('_', '-')}"
+        if not self.cfg.oom_retry or max(map(len, micro_rows)) == 1:  # one sequence a micro-batch: nothing left to halve
+            raise OutOfMemory(f"out of memory in {site}. Lower --{knob.replace('_', '-')}"
                               f"{'' if self.cfg.oom_retry else ' (--oom-retry halves it and retries)'}, or turn on "
                               f"--gradient-checkpointing, --offload.{self.role}-params, --offload.{self.role}-optimizer"
                               f"{', --offload.ref-params' if self.role == 'actor' else ''}; a shorter "
                               f"--max-response-length or a smaller --ppo-mini-batch-size also helps") from error
-        print(f"[oom-retry] out of memory in {where}: retrying with {knob}={max(1, limit // 2)}", flush=True)
+        print(f"[oom-retry] out of memory in {site}: retrying with {knob}={max(1, limit // 2)}", flush=True)
         self.measures[f"perf/oom_retries/{self.role}"] = self.measures.get(f"perf/oom_retries/{self.role}", 0.0) + 1
         self.limits[phase] = max(1, limit // 2)
         return self.limits[phase]
@@ -299,12 +323,12 @@ class Worker:
         totals = (totals if self.all_sum is None else self.all_sum(totals)).tolist()  # [mini-batches, 2]
         for epoch in range(cfg.ppo_epochs):
             for i, (mb, mask, (tokens, seqs)) in enumerate(zip(minis, masks, totals)):
-                counts = dict(n_tokens=tokens / self.dist.dp_size, n_seqs=seqs / self.dist.dp_size,
+                agg_kw = dict(n_tokens=tokens / self.dist.dp_size, n_seqs=seqs / self.dist.dp_size,
                               norm_len=cfg.max_response_length, dp_size=self.dist.dp_size)
                 limit = self.limits.get(phase, getattr(cfg, knob))
                 while True:  # once, unless an out-of-memory is retried with a smaller limit (oom_retry)
                     try:
-                        step = self.accumulate(mb, mask, counts, limit, first_mini_batch=epoch == 0 and i == 0)
+                        step = self.accumulate(mb, mask, agg_kw, limit, first_mini_batch=epoch == 0 and i == 0)
                         break
                     except Exception as error:  # noqa: BLE001 (an out-of-memory is retried or named; the rest goes up)
                         limit = self.oom_retry(error, phase, knob, limit)
@@ -326,23 +350,28 @@ class Worker:
         out[f"{self.role}/over_budget_seqs"] = Sum(over)
         return out
 
-    def accumulate(self, mb: TensorDict, mask: torch.Tensor, counts: dict, limit: int,
+    def accumulate(self, mb: TensorDict, mask: torch.Tensor, agg_kw: dict, limit: int,
                    first_mini_batch: bool) -> dict:
         """Forward and backward over the micro-batches of mini-batch mb within `limit` (tokens under use_dynamic_bsz,
         else sequences), their gradients summed into the parameters' .grad; returns their metrics. Collective (the
         micro-batch count under use_dynamic_bsz; FSDP2's gathers and reduce-scatters)."""
-        parts = self.micro_batch_parts(mb, limit if self.cfg.use_dynamic_bsz else None, rows=limit)
-        step = {f"{self.role}/num_micro_batches": len(parts)}
-        for j, part in enumerate(parts):
-            self.at = (j, parts, mb)
-            rows = torch.tensor(part)
-            loss, metrics = self.micro_batch_loss(self.to_device(mb[rows]), counts, first_mini_batch=first_mini_batch)
+        micro_rows = self.micro_batch_rows(mb, limit if self.cfg.use_dynamic_bsz else None, rows=limit)
+        sums, maxima = {}, {}  # 0-d device tensors: read once, after the last micro-batch (no host sync per one)
+        for j, rows in enumerate(micro_rows):
+            self.at = (j, micro_rows, mb)
+            rows = torch.tensor(rows)
+            loss, metrics = self.micro_batch_loss(self.to_device(mb[rows]), agg_kw, first_mini_batch=first_mini_batch)
             loss.backward()
-            share = (mask[rows].sum() / mask.sum().clamp(min=1)).item()  # its token share, from the CPU batch
-            for k, v in metrics.items():
-                step[k] = (max(step.get(k, v), v) if isinstance(v, Max) else
-                           step.get(k, 0.0) + (v if k in LOSS_METRICS else v * share))
-        return step
+            token_share = (mask[rows].sum() / mask.sum().clamp(min=1)).item()  # from the CPU batch
+            for k, v in metrics["sum"].items():  # loss terms, already scaled by the mini-batch's counts
+                sums[k] = sums.get(k, 0.0) + v.detach()
+            for k, v in metrics["mean"].items():  # per-token means: weighted by the micro-batch's token share
+                sums[k] = sums.get(k, 0.0) + v * token_share
+            for k, v in metrics["max"].items():
+                maxima[k] = torch.maximum(maxima.get(k, v), v)
+        values = torch.stack([*sums.values(), *maxima.values()]).tolist()  # the one host sync
+        return {f"{self.role}/num_micro_batches": len(micro_rows), **dict(zip(sums, values)),
+                **{k: Max(v) for k, v in zip(maxima, values[len(sums) :])}}
 
     def loss_mask(self, batch: TensorDict) -> torch.Tensor:
         """The tokens [B, R] the loss counts: every response token (the actor's may drop some, see ActorWorker)."""
@@ -435,7 +464,8 @@ class ActorWorker(Worker):
                                   f"--offload.actor-params") from error
         metrics.update(self.rollout.kv_cache_stats())
         repeated = [p for p in prompts for _ in range(n)]
-        widths = batch_widths(prompts, out.responses, lambda values: all_max(values, self.dist))
+        widths = batch_widths(max(map(len, prompts)), max(map(len, out.responses)),
+                              lambda values: all_max(values, self.dist))
         batch = pad_batch(repeated, out.responses, out.log_probs, self.tokenizer.pad_token_id, widths, out.masks,
                           out.counts)
         batch["version"] = torch.full((len(repeated),), self.updates)  # [B]: the weights that sampled
@@ -510,7 +540,7 @@ class ActorWorker(Worker):
                                                                     remove_padding=self.remove_padding)[0],
                                       batch, phase)
 
-    def micro_batch_loss(self, micro: TensorDict, counts: dict, first_mini_batch: bool) -> tuple[torch.Tensor, dict]:
+    def micro_batch_loss(self, micro: TensorDict, agg_kw: dict, first_mini_batch: bool) -> tuple[torch.Tensor, dict]:
         """Policy loss - entropy bonus (+ KL loss) of one micro-batch, scaled by its mini-batch's counts.
         first_mini_batch: no optimizer step yet in this update, so logp is the sampling policy's
         (Config.old_log_probs)."""
@@ -521,26 +551,25 @@ class ActorWorker(Worker):
         mode = cfg.old_log_probs_from
         old = (micro["old_log_probs"] if mode == "recompute" else micro["rollout_log_probs"] if mode == "rollout"
                else logp.detach())  # [b, R]
-        gap = {}
+        maxima, gap = {}, {}
         if first_mini_batch and mode != "recompute":  # the engine-trainer gap, which the recomputing pass reports
             real = micro["response_mask"]
             diff = (micro["rollout_log_probs"] - logp.detach()).abs() * real  # [b, R]
-            gap = {"rollout/logprob_diff_max": Max(diff.max().item()),
-                   "rollout/logprob_diff_mean": (diff.sum() / real.sum().clamp(min=1)).item()}
+            maxima["rollout/logprob_diff_max"] = diff.max()
+            gap = {"rollout/logprob_diff_mean": diff.sum() / real.sum().clamp(min=1)}
         tis, tis_metrics = None, {}
         if cfg.tis_cap is not None:
             tis, tis_metrics = tis_weights(old, micro["rollout_log_probs"], mask, cfg.tis_cap, cfg.tis_level)
-        pg_loss, metrics = policy_loss(logp, old, micro["advantages"], mask, cfg.clip_ratio_low,
-                                       cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, tis, **counts)
-        metrics.update(tis_metrics, **gap)
-        ent = agg_loss(entropy, mask, cfg.loss_agg_mode, **counts)
+        pg_loss, means = policy_loss(logp, old, micro["advantages"], mask, cfg.clip_ratio_low,
+                                     cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, tis, **agg_kw)
+        ent = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg_kw)
         loss = pg_loss - cfg.entropy_coeff * ent if cfg.entropy_coeff else pg_loss  # the bonus raises the entropy
-        metrics.update({"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item()})
+        sums = {"actor/pg_loss": pg_loss, "actor/entropy": ent}
         if cfg.use_kl_loss:
-            kl = agg_loss(kl_penalty(logp, micro["ref_log_probs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **counts)
+            kl = agg_loss(kl_penalty(logp, micro["ref_log_probs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **agg_kw)
             loss = loss + cfg.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = kl.item()
-        return loss, metrics
+            sums["actor/kl_loss"] = kl
+        return loss, {"sum": sums, "mean": {**means, **tis_metrics, **gap}, "max": maxima}
 
     def loss_mask(self, batch: TensorDict) -> torch.Tensor:
         """The policy loss's tokens [B, R]: the step's loss_mask (rollout correction, overlong filtering: ppo.rl_step)
@@ -577,13 +606,12 @@ class CriticWorker(Worker):
             return self.map_micro_batches(lambda mb: response_values(self.model, mb, self.remove_padding), batch,
                                           "values")
 
-    def micro_batch_loss(self, micro: TensorDict, counts: dict, first_mini_batch: bool) -> tuple[torch.Tensor, dict]:
+    def micro_batch_loss(self, micro: TensorDict, agg_kw: dict, first_mini_batch: bool) -> tuple[torch.Tensor, dict]:
         """The clipped value loss of one micro-batch against the returns, scaled by its mini-batch's counts."""
         values = response_values(self.model, micro, self.remove_padding)  # [b, R]
-        loss, metrics = value_loss(values, micro["values"], micro["returns"], micro["response_mask"],
-                                   self.cfg.cliprange_value, self.cfg.loss_agg_mode, **counts)
-        metrics["critic/vf_loss"] = loss.item()
-        return loss, metrics
+        loss, means = value_loss(values, micro["values"], micro["returns"], micro["response_mask"],
+                                 self.cfg.cliprange_value, self.cfg.loss_agg_mode, **agg_kw)
+        return loss, {"sum": {"critic/vf_loss": loss}, "mean": means, "max": {}}
 
     def close(self) -> None:
         """Nothing to release (no engine)."""

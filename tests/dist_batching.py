@@ -86,6 +86,8 @@ def main(model_dir: str, out_dir: str):
             seqlens = mine["attention_mask"].sum(-1)  # [b]
             balanced, res["balance_metrics"] = balance_ranks(mine, seqlens, seqlens, dist, unit=N_SAMPLES)
             res["balanced_rows"] = balanced["row"]
+            # every key travels with its row (all-to-all per dtype), the rows in their global order
+            res["balanced_intact"] = all(balanced[k].equal(batch[balanced["row"]][k]) for k in batch.keys())
             res["balanced_tokens"] = balanced["attention_mask"].sum().item()
             hidden = worker.model.config.hidden_size
             flops = flops_workload(seqlens, hidden)  # [b], balance_by flops

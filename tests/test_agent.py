@@ -215,14 +215,18 @@ def test_packed_and_padded_updates_agree_on_multi_turn_rows(calling_setup):
 
 
 def test_dynamic_samplings_repad_keeps_the_tool_spans():
-    """Groups from two generate calls (different widths) as one batch: masks, lengths and counts travel with rows."""
-    a = pad_batch([[5, 6]], [[1, 2, 3]], [[-1.0, 0.0, -1.0]], 0, masks=[[1, 0, 1]],
-                  counts={"num_turns": [2], "tool_calls": [1], "tool_errors": [0]})
-    b = pad_batch([[7]], [[4, 4, 4, 4, 4]], [[-1.0] * 5], 0, masks=[[1, 1, 0, 0, 1]],
-                  counts={"num_turns": [2], "tool_calls": [1], "tool_errors": [1]})
+    """Groups from two generate calls (different widths, one wider than it needs) as one batch: masks, lengths and
+    counts travel with rows, and the batch equals the one pad_batch lays out from the rows' tokens."""
+    prompts, responses, log_probs = [[7], [5, 6]], [[4, 4, 4, 4, 4], [1, 2, 3]], [[-1.0] * 5, [-1.0, 0.0, -1.0]]
+    masks, counts = [[1, 1, 0, 0, 1], [1, 0, 1]], {"num_turns": [2, 2], "tool_calls": [1, 1], "tool_errors": [1, 0]}
+    b, a = (pad_batch(prompts[i : i + 1], responses[i : i + 1], log_probs[i : i + 1], 0, widths, masks[i : i + 1],
+                      {k: v[i : i + 1] for k, v in counts.items()}) for i, widths in ((0, None), (1, (4, 7))))
     for g, (i, s, v) in ((a, (0, 1.0, 3)), (b, (1, 0.0, 3))):
         g["index"], g["scores"], g["version"] = torch.tensor([i]), torch.tensor([s]), torch.tensor([v])
     batch = repad([b, a], TorchrunController(init_distributed()), 0)
     assert batch["response_mask"].tolist() == [[1, 1, 0, 0, 1], [1, 0, 1, 0, 0]]
     assert response_lengths(batch).tolist() == [5, 3] and batch["tool_errors"].tolist() == [1, 0]
     assert batch["prompts"].tolist() == [[0, 7], [5, 6]] and batch["index"].tolist() == [1, 0]
+    expected = pad_batch(prompts, responses, log_probs, 0, masks=masks, counts=counts)
+    assert all(batch[k].equal(expected[k]) for k in expected.keys()), [k for k in expected.keys()
+                                                                       if not batch[k].equal(expected[k])]

@@ -171,6 +171,7 @@ def test_two_ranks(model_path, tmp_path):
 
     rows = [r["balanced_rows"] for r in ranks]
     assert sorted(torch.cat(rows).tolist()) == list(range(8)) and len(rows[0]) == len(rows[1])
+    assert all(r["balanced_intact"] for r in ranks) and all(r.equal(r.sort().values) for r in rows)
     for r in rows:  # whole groups of 2 consecutive rows
         assert (r.view(-1, 2)[:, 1] - r.view(-1, 2)[:, 0] == 1).all() and (r.view(-1, 2)[:, 0] % 2 == 0).all()
     m = ranks[0]["balance_metrics"]
