@@ -88,20 +88,32 @@ class TorchrunController:
 
 
 @dataclass
-class Run:
-    """What the step and the loop work with: the config, the workers, the controller, and the data."""
-
-    cfg: Config
-    actor: ActorWorker
-    critic: CriticWorker | None
-    controller: TorchrunController  # or ray_trainer.Driver: the same methods, for a driver that holds the whole batch
+class Task:
+    """A run's data, loaded and checked before any model or engine starts: the policy's tokenizer, the reward
+    function, the train prompts and the held-out prompts (all of them; each controller takes its share)."""
     tokenizer: object  # the policy's (the driver tokenizes prompts and decodes responses for the verifier)
     reward_fn: object
     train_ds: RLDataset
-    val_rows: list[dict]  # this controller's share of the held-out prompts
+    all_val_rows: list[dict]
     num_truncated: int  # prompts cut to max_prompt_length (truncate_prompts), train and val files together
     hidden_size: int  # for balance_by flops
+
+
+@dataclass
+class Run:
+    """What the step and the loop work with: the config, the task, the workers and the controller."""
+
+    cfg: Config
+    task: Task
+    actor: ActorWorker
+    critic: CriticWorker | None
+    controller: TorchrunController  # or ray_trainer.Driver: the same methods, for a driver that holds the whole batch
     pool: object = None  # ray_trainer.RolloutPool: generation-only engines of their own (async); None: the actor's
+
+    @property
+    def val_rows(self) -> list[dict]:
+        """This controller's share of the held-out prompts."""
+        return self.task.all_val_rows[self.controller.dp_rank :: self.controller.dp_size]
 
 
 def prompt_indices(step: int, cfg: Config, n_rows: int) -> list[int]:
@@ -115,9 +127,9 @@ def prompt_indices(step: int, cfg: Config, n_rows: int) -> list[int]:
 def step_rows(step: int, run: Run) -> list[dict]:
     """The prompts of a step that this controller holds (its dp shard of prompt_indices)."""
     per_rank = run.cfg.train_batch_size // run.controller.dp_size
-    indices = prompt_indices(step, run.cfg, len(run.train_ds))
+    indices = prompt_indices(step, run.cfg, len(run.task.train_ds))
     first = run.controller.dp_rank * per_rank
-    return [run.train_ds[i] for i in indices[first : first + per_rank]]
+    return [run.task.train_ds[i] for i in indices[first : first + per_rank]]
 
 
 def weights_version(step: int, cfg: Config) -> int:
@@ -150,7 +162,7 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
         if cfg.balance_batch:
             with timer("balance", metrics):
                 seqlens = batch["attention_mask"].sum(-1)  # [B]
-                work = seqlens if cfg.balance_by == "tokens" else flops_workload(seqlens, run.hidden_size)
+                work = seqlens if cfg.balance_by == "tokens" else flops_workload(seqlens, run.task.hidden_size)
                 batch, balance_metrics = controller.balance(batch, seqlens, work, unit=cfg.rollout_n)
             metrics.update(balance_metrics)
         batch["group"] = torch.arange(batch.batch_size[0] // cfg.rollout_n).repeat_interleave(cfg.rollout_n)  # [B]
@@ -187,7 +199,8 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
 
         # ==================== 4b. the policy loss's tokens: rollout correction, overlong filtering ====================
         if cfg.rollout_mask or cfg.mask_truncated:
-            batch["loss_mask"], mask_metrics = policy_loss_mask(batch, cfg, run.tokenizer.eos_token_id)  # [B, R]
+            eos = run.task.tokenizer.eos_token_id
+            batch["loss_mask"], mask_metrics = policy_loss_mask(batch, cfg, eos)  # [B, R]
             metrics.update(mask_metrics)
 
         # ==================== 5. update the critic and the actor (after critic_warmup) ====================
@@ -251,8 +264,8 @@ def generate_and_score(step: int, rows: list[dict], run: Run, metrics: dict, see
     else:
         batch, round_metrics = run.actor.generate([r["prompt_ids"] for r in rows], seeds)
         with timer("reward", round_metrics):
-            batch["scores"] = score(batch, [r for r in rows for _ in range(cfg.rollout_n)], run.tokenizer,
-                                    run.reward_fn)  # [B]
+            batch["scores"] = score(batch, [r for r in rows for _ in range(cfg.rollout_n)], run.task.tokenizer,
+                                    run.task.reward_fn)  # [B]
     # each response's dataset row travels with it: whatever moves the rows, they are looked up by this
     batch["index"] = torch.tensor([r["index"] for r in rows]).repeat_interleave(cfg.rollout_n)  # [B]
     if cfg.overlong_buffer_len:  # DAPO: long responses lose reward softly before the hard limit
@@ -286,12 +299,13 @@ def rollout_and_score(step: int, rows: list[dict], run: Run, metrics: dict) -> T
             break
         generator = torch.Generator().manual_seed(sample_seed(cfg.seed, step, -rounds))  # round r's prompts
         start = controller.dp_rank * len(rows)
-        picks = torch.randperm(len(run.train_ds), generator=generator)[start : start + len(rows)].tolist()
-        batch = generate_and_score(step, [run.train_ds[i] for i in picks], run, metrics, rounds * len(run.train_ds))
+        train_ds = run.task.train_ds
+        picks = torch.randperm(len(train_ds), generator=generator)[start : start + len(rows)].tolist()
+        batch = generate_and_score(step, [train_ds[i] for i in picks], run, metrics, rounds * len(train_ds))
     filled = max(0, len(rows) - len(kept))
     metrics.update({"dynamic/rounds": rounds, "dynamic/kept_groups": Sum(min(len(kept), len(rows))),
                     "dynamic/dropped_groups": Sum(len(dropped)), "dynamic/filled_groups": Sum(filled)})
-    return repad(kept[: len(rows)] + dropped[:filled], controller, run.tokenizer.pad_token_id)
+    return repad(kept[: len(rows)] + dropped[:filled], controller, run.task.tokenizer.pad_token_id)
 
 
 def repad(groups: list[TensorDict], controller, pad_id: int) -> TensorDict:
@@ -348,7 +362,7 @@ def evaluate(run: Run) -> dict:
         batch = run.pool.generate(run.val_rows, seeds=None, greedy=True)[0]
     else:
         batch, _ = run.actor.generate([r["prompt_ids"] for r in run.val_rows], seeds=None, greedy=True)
-        batch["scores"] = score(batch, run.val_rows, run.tokenizer, run.reward_fn)  # [B]
+        batch["scores"] = score(batch, run.val_rows, run.task.tokenizer, run.task.reward_fn)  # [B]
     local = {"correct": Sum(batch["scores"].sum().item()), "n": Sum(len(run.val_rows))}
     if "tool_calls" in batch.keys():
         local["called"] = Sum((batch["tool_calls"] > 0).sum().item())
@@ -416,18 +430,6 @@ def warm_start_and_task_files(cfg: Config, dist: Dist) -> tuple[str, str, str]:
     return broadcast_object(paths, dist)
 
 
-@dataclass
-class Task:
-    """A run's data, loaded and checked before any model or engine starts: the policy's tokenizer, the reward
-    function, the train prompts and the held-out prompts (all of them; each controller takes its share)."""
-    tokenizer: object
-    reward_fn: object
-    train_ds: RLDataset
-    val_rows: list[dict]
-    num_truncated: int
-    hidden_size: int
-
-
 def load_task(cfg: Config, model_path: str, train_files: str, val_files: str, dp_size: int) -> Task:
     """The Task of a run: a malformed row, a prompt over budget or a missing reward file stops it here, in seconds."""
     tokenizer = load_tokenizer(model_path)
@@ -442,13 +444,6 @@ def load_task(cfg: Config, model_path: str, train_files: str, val_files: str, dp
                          f"{dp_size} ranks")
     return Task(tokenizer, load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name), train_ds, val_rows,
                 train_ds.num_truncated + val_ds.num_truncated, AutoConfig.from_pretrained(model_path).hidden_size)
-
-
-def make_run(cfg: Config, task: Task, actor: ActorWorker, critic: CriticWorker | None, controller: TorchrunController,
-             pool=None) -> Run:
-    """The Run around built workers and a loaded Task (this controller's share of the held-out prompts)."""
-    return Run(cfg, actor, critic, controller, task.tokenizer, task.reward_fn, task.train_ds,
-               task.val_rows[controller.dp_rank :: controller.dp_size], task.num_truncated, task.hidden_size, pool)
 
 
 def save_checkpoint(run: Run, step: int, state: dict) -> None:
@@ -535,7 +530,7 @@ def loop(run: Run) -> list[dict]:
     if run.pool:  # the pool's engines take the trainer's weights (fresh or resumed) and start the first batches
         feed_pool(start - 1, run, {})
     if start == 1:
-        emit({"step": 0, "prompt/num_truncated": run.num_truncated, **evaluate(run)})
+        emit({"step": 0, "prompt/num_truncated": run.task.num_truncated, **evaluate(run)})
     for step in (bar := tqdm(range(start, cfg.total_steps + 1), desc="rl", disable=not controller.is_main)):
         metrics, _, kl_coef = rl_step(step, step_rows(step, run), run, kl_coef)
         if step % cfg.eval_every == 0 or step == cfg.total_steps:
@@ -601,7 +596,7 @@ def train(cfg: Config) -> list[dict]:
         task = load_task(cfg, model_path, train_files, val_files, dist.dp_size)  # bad data: named before the models
         actor = ActorWorker(cfg, model_path, dist)
         critic = CriticWorker(cfg, cfg.critic_model_path or model_path, dist) if cfg.adv_estimator == "gae" else None
-        records = loop(make_run(cfg, task, actor, critic, TorchrunController(dist)))
+        records = loop(Run(cfg, task, actor, critic, TorchrunController(dist)))
         barrier(dist)  # the last collective: closing the engine destroys the default process group (vLLM's cleanup)
     actor.close()
     shutdown(dist)

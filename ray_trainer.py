@@ -54,7 +54,7 @@ from batching import balance_whole
 from comm import Max, barrier, combine_metrics, init_distributed, shutdown, timer
 from config import Config, with_task_values
 from data import load_reward_fn, load_tokenizer
-from ppo import check_out_dir, load_task, loop, make_run, score, warm_start_and_task_files
+from ppo import Run, check_out_dir, load_task, loop, score, warm_start_and_task_files
 from rollout import RolloutOutput
 from workers import ActorWorker, CriticWorker, RolloutWorker, pad_batch
 
@@ -676,7 +676,7 @@ def train(rc_all: RayTrainerConfig) -> list[dict]:
             if cfg.async_.rollout_workers:
                 split = groups.critic.hosts if groups.critic and groups.critic.hosts is not groups.actor.hosts else []
                 pool = RolloutPool(cfg, rc, model_path, groups.actor, driver, split)
-            records = loop(make_run(cfg, task, groups.actor, groups.critic, driver, pool))
+            records = loop(Run(cfg, task, groups.actor, groups.critic, driver, pool))
             if pool:
                 pool.stop(clean=True)
             stop_groups(groups, clean=True)

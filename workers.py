@@ -276,8 +276,8 @@ class Worker:
         i, micro_rows, batch = self.at
         seqlens = batch["attention_mask"].sum(-1)[torch.tensor(micro_rows[i])]  # [b]
         site = (f"{self.role} {phase}: micro-batch {i + 1} of {len(micro_rows)} ({len(micro_rows[i])} sequences, "
-                 f"{int(seqlens.sum())} tokens) under {knob}={limit}")
-        if not self.cfg.oom_retry or max(map(len, micro_rows)) == 1:  # one sequence a micro-batch: nothing left to halve
+                f"{int(seqlens.sum())} tokens) under {knob}={limit}")
+        if not self.cfg.oom_retry or max(map(len, micro_rows)) == 1:  # one sequence a micro-batch: nothing to halve
             raise OutOfMemory(f"out of memory in {site}. Lower --{knob.replace('_', '-')}"
                               f"{'' if self.cfg.oom_retry else ' (--oom-retry halves it and retries)'}, or turn on "
                               f"--gradient-checkpointing, --offload.{self.role}-params, --offload.{self.role}-optimizer"

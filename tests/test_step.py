@@ -19,7 +19,7 @@ from conftest import toy_config
 from config import BUILTIN_TASK, Config, with_task_values
 from core_algos import on_last_token
 from data import checked_score, load_tokenizer
-from ppo import TorchrunController, check_out_dir, load_task, make_run, prompt_indices, rl_step, train
+from ppo import Run, TorchrunController, check_out_dir, load_task, prompt_indices, rl_step, train
 from tracking import step_warnings
 from rollout import sample_seed
 from sharding import find_latest, prune_checkpoints
@@ -140,8 +140,8 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tiny_rl_setup,
     dist = init_distributed()
     actor = ActorWorker(cfg, cfg.model_path, dist)
     task = load_task(cfg, cfg.model_path, cfg.train_files, cfg.val_files, 1)
-    run = make_run(cfg, task, actor, None, TorchrunController(dist))
-    rows = [run.train_ds[i] for i in prompt_indices(1, cfg, len(run.train_ds))]
+    run = Run(cfg, task, actor, None, TorchrunController(dist))
+    rows = [run.task.train_ds[i] for i in prompt_indices(1, cfg, len(run.task.train_ds))]
     metrics, batch, _ = rl_step(1, rows, run, 0.0)
     scores = batch["scores"].view(-1, cfg.rollout_n)  # [groups, n]
     assert scores.shape[0] == cfg.train_batch_size
@@ -150,7 +150,7 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tiny_rl_setup,
     assert metrics["dynamic/kept_groups"] == 8 and metrics["dynamic/filled_groups"] == 0
     assert metrics["dynamic/rounds"] >= 2 and metrics["dynamic/dropped_groups"] >= 8 - 8 // 3
     # the step replays: the same rounds, prompts and samples
-    rerun = make_run(cfg, task, ActorWorker(cfg, cfg.model_path, dist), None, TorchrunController(dist))
+    rerun = Run(cfg, task, ActorWorker(cfg, cfg.model_path, dist), None, TorchrunController(dist))
     again = rl_step(1, rows, rerun, 0.0)[1]
     assert again["index"].tolist() == batch["index"].tolist() and (again["responses"] == batch["responses"]).all()
 
@@ -164,8 +164,8 @@ def test_kl_in_reward_with_the_engines_old_log_probs(tiny_rl_setup, tmp_path):
                      old_log_probs="rollout", kl_coef=0.5, out_dir=str(tmp_path / "out"))
     dist = init_distributed()
     task = load_task(cfg, cfg.model_path, cfg.train_files, cfg.val_files, 1)
-    run = make_run(cfg, task, ActorWorker(cfg, cfg.model_path, dist), None, TorchrunController(dist))
-    metrics, batch, _ = rl_step(1, [run.train_ds[i] for i in prompt_indices(1, cfg, len(run.train_ds))], run, 0.5)
+    run = Run(cfg, task, ActorWorker(cfg, cfg.model_path, dist), None, TorchrunController(dist))
+    metrics, batch, _ = rl_step(1, [run.task.train_ds[i] for i in prompt_indices(1, cfg, len(run.task.train_ds))], run, 0.5)
     assert "old_log_probs" not in batch.keys()
     mask = batch["response_mask"]
     kl = (batch["rollout_log_probs"] - batch["ref_log_probs"]) * mask  # [B, R], k1
