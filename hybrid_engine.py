@@ -24,11 +24,9 @@ then, the parameters back where they wait:
 Leaving: the engine sleeps (level 2: weights and KV cache dropped, buffers kept by vLLM; no sleep mode on CPU, where
 it is a no-op); on CPU the heap's free pages go back to the OS (release_host_memory).
 
-Why whole decoder layers: the engine's reload_weights rebuilds each of its modules from the weights of one call, so
-a fused module (qkv_proj, gate_up_proj) whose parts are split across calls is rebuilt with uninitialised memory for
-the missing ones (wrong or NaN log-probs). A bucket therefore never splits a layer, and a layer larger than the
-bucket travels alone, whole. Each call has a fixed cost (the loader visits every module of the engine), small next
-to the memory that large buckets touch (bench/reshard.py measures both).
+A bucket never splits a decoder layer (sharding.weight_groups says why): a layer larger than the bucket travels
+alone. Each load has a fixed cost (the loader visits every module of the engine), small next to the memory that
+large buckets touch (bench/reshard.py measures both).
 
 Why the gathers are not overlapped with the engine's loading: asynchronous all-gathers on gloo while the CPU engine
 loaded layers corrupted the heap in bench/reshard.py, so each tensor is gathered when its bucket is built.
@@ -66,9 +64,8 @@ except (OSError, AttributeError):  # not glibc: nothing to trim
 class HybridConfig:
     bucket_mb: float = 0.0
     """Size of one weight bucket streamed into the rollout engine, in MiB of the rollout dtype. A bucket holds
-    whole decoder layers (vLLM fuses q/k/v and gate/up): a layer larger than this travels alone. 0: one layer (or
-    other weight) a bucket, which kept the sync's extra memory within one bucket + 10% of the model at 303M where
-    512 MB buckets did not (bench/reshard.py; the README's weight-sync section)."""
+    whole decoder layers: a layer larger than this travels alone. 0: one layer (or other weight) a bucket, the
+    least extra memory (the README's weight-sync section)."""
     verify_sync: bool = False
     """After every sync, prove that the engine holds the trainer's weights: per-parameter checksums of what it
     received, and a teacher-forced probe of its log-probs. Costs a forward pass and a few collectives."""
@@ -136,9 +133,8 @@ class HybridEngine:
     # ---- streaming ----
 
     def _stream(self, received: dict) -> tuple[int, int]:
-        """Every bucket into the engine, one at a time; returns (bytes, buckets) handed over. Always checks that the
-        buckets together handed over every weight exactly once (vLLM's loader, muted in rollout.py, would only
-        warn about the modules each bucket leaves out)."""
+        """Every bucket into the engine, one at a time; returns (bytes, buckets) handed over, once it has checked
+        that the buckets together handed over every weight exactly once (vLLM's loader is muted: rollout.py)."""
         nbytes = buckets = 0
         names = []
         adapted_only = bool(self.adapted) and self.synced and self.rollout.keeps_weights
