@@ -10,9 +10,8 @@ API:
     with hybrid.rollout_mode(metrics, resident):   # train -> rollout: the trainer's weights streamed into the engine
         out = rollout.generate(...)                # on leaving, the engine sleeps
 
-The worker moves its optimizer state off the device before (workers.ActorWorker.generate); `resident` is the
-worker's context in which its parameters are on the device (they may wait in host memory otherwise: offload).
-Entering rollout mode, within `resident`:
+The worker moves its optimizer state off the device before (workers.ActorWorker.generate). Entering rollout mode,
+within `resident` (the worker's context in which its parameters are on the device; offloaded, they wait on the host):
   0. with verify_sync, take the trainer's side of the verification (checksums from its shards, probe log-probs)
   1. wake the engine's weights (sleep level 2 dropped them: memory only, filled by the next step)
   2. stream the weights bucket by bucket: a bucket is the full_tensor() of whole decoder layers
@@ -218,10 +217,9 @@ def trainer_probe(model: torch.nn.Module, probe: torch.Tensor, device: torch.dev
 def sync_errors(expected: dict[str, int], received: dict[str, int], rollout, probe: torch.Tensor,
                 trainer: torch.Tensor) -> tuple[list[str], float]:
     """(a) The weights whose checksum as the engine received them differs from the trainer's (or is missing); (b) the
-    largest gap between the engine's teacher-forced log-probs on the probe and the trainer's.
-
-    The engine's weights cannot be read back on CPU (its kernels repack them and leave empty placeholders),
-    hence checksums at the hand-over plus a probe of what it computes."""
+    largest gap between the engine's teacher-forced log-probs on the probe and the trainer's. The engine's weights
+    cannot be read back on CPU (its kernels repack them and leave empty placeholders), hence checksums at the
+    hand-over plus a probe of what it computes."""
     bad = sorted(name for name in expected.keys() | received.keys() if expected.get(name) != received.get(name))
     engine = torch.tensor(rollout.prompt_log_probs(probe.tolist()))  # [N, T - 1]
     return bad, (engine - trainer).abs().max().nan_to_num(nan=math.inf).item()

@@ -201,15 +201,13 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
                        model_class=AutoModelForCausalLM, config: PreTrainedConfig | None = None,
                        gradient_checkpointing: bool = False, lora: tuple[int, float, str] | None = None
                        ) -> torch.nn.Module:
-    """The HF model at model_path, FSDP2-sharded over dist.mesh["dp"] (plain on dist.device without a group).
-
-    The master weights are fp32; FSDPConfig.param_dtype sets the compute dtype.
-    trainable=False gives a frozen reference: no gradients, eval mode. model_class and config (None: the folder's)
-    pick another head, e.g. a critic: AutoModelForTokenClassification with config.num_labels = 1; weights the
-    folder lacks (the new head) are initialised on rank 0 and reach the other ranks with the rest.
-    gradient_checkpointing: each decoder layer recomputes its activations in backward (HF's, non-reentrant).
-    lora (rank, alpha, target modules): LoRA adapters (lora.py), added before sharding; only they train.
-    """
+    """The HF model at model_path, FSDP2-sharded over dist.mesh["dp"] (plain on dist.device without a group), with
+    fp32 master weights (FSDPConfig.param_dtype sets the compute dtype). trainable=False gives a frozen reference:
+    no gradients, eval mode. model_class and config (None: the folder's) pick another head, e.g. a critic:
+    AutoModelForTokenClassification with config.num_labels = 1; weights the folder lacks (the new head) are
+    initialised on rank 0 and reach the other ranks with the rest. gradient_checkpointing: each decoder layer
+    recomputes its activations in backward (HF's, non-reentrant). lora (rank, alpha, target modules): LoRA
+    adapters (lora.py), added before sharding; only they train."""
     cfg = cfg or FSDPConfig()
     config = config or AutoConfig.from_pretrained(model_path)
     if dist.mesh is None:
