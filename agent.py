@@ -24,6 +24,7 @@ import importlib.util
 import inspect
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 
 from rollout import COUNTS, RolloutOutput, sample_seed
@@ -109,15 +110,11 @@ def run_calls(calls: list, timeout_s: float) -> list[tuple[str, bool]]:
             continue
         threads.append((i, threading.Thread(target=run, args=(i, *call), daemon=True)))
         threads[-1][1].start()
-    deadline = threading.Event()
-    timer = threading.Timer(timeout_s, deadline.set)
-    timer.start()
+    deadline = time.monotonic() + timeout_s
     for i, thread in threads:
-        while thread.is_alive() and not deadline.is_set():
-            thread.join(0.01)
+        thread.join(max(0.0, deadline - time.monotonic()))
         if results[i] is None:  # still running: left behind (a thread cannot be killed)
             results[i] = (f"error: timed out after {timeout_s} s", True)
-    timer.cancel()
     return results
 
 

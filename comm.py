@@ -14,7 +14,7 @@ API (the whole of it):
     all_max([width, count], dist)                         # each value's largest over the ranks: what they agree on
     obj = broadcast_object(obj, dist, src=0)               # every rank gets src's python object
     group = side_group(("10.0.0.1", 29600), rank, size, device, timeout_s)   # a group beside the default one
-    broadcast(group, tensor, root=0)                      # over such a group (the rollout pool's weight sync)
+    broadcast(group, tensor)                              # rank 0's tensor over such a group (the pool's weight sync)
     barrier(dist)
     shutdown(dist)                                        # barrier, then destroy the process group (if still there)
     with timer("gen", metrics): ...                       # metrics["timing_s/gen"] = seconds
@@ -54,18 +54,6 @@ class Dist:
         return self.mesh["dp"].size() if self.mesh is not None else 1
 
 
-def set_gpu_env_defaults() -> None:
-    """NCCL/CUDA settings from verl's performance tuning guide, each only where the user set nothing.
-
-    CUDA_DEVICE_MAX_CONNECTIONS=1   one hardware queue, so communication kernels launch in issue order
-    TORCH_NCCL_HIGH_PRIORITY=1      NCCL streams at high priority, so collectives are not starved by compute
-    (NCCL_PROTO is left to the user: the best value depends on the interconnect.)
-    Must run before the CUDA context exists, hence from init_distributed before set_device.
-    """
-    for key, value in {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_HIGH_PRIORITY": "1"}.items():
-        os.environ.setdefault(key, value)
-
-
 def init_distributed(timeout_s: int = 1800) -> Dist:
     """Join the torchrun job described by the env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run alone."""
     cuda = torch.cuda.is_available()
@@ -73,7 +61,11 @@ def init_distributed(timeout_s: int = 1800) -> Dist:
         return Dist(0, 1, 0, torch.device("cuda", 0) if cuda else torch.device("cpu"), None, True)
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if cuda:
-        set_gpu_env_defaults()
+        # verl's performance tuning guide, where the user set nothing, before the CUDA context exists: one hardware
+        # queue (communication kernels launch in issue order), NCCL streams at high priority (collectives are not
+        # starved by compute). NCCL_PROTO is left to the user: the best value depends on the interconnect.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        os.environ.setdefault("TORCH_NCCL_HIGH_PRIORITY", "1")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
@@ -111,7 +103,7 @@ def reduce_metrics(metrics: dict[str, float], dist: Dist) -> dict[str, float]:
     """The same dict on every dp rank, each value reduced by the op its type declares (Sum, Max, Min; else the
     mean), and of that type still. Every rank must pass the same keys, with the same types."""
     if dist.mesh is None:
-        return {k: _kind(v)(v) for k, v in metrics.items()}
+        return combine_metrics([metrics])
     keys = sorted(metrics)  # same order on every rank
     # one all_gather of a packed vector instead of one collective per key; float64 keeps token counts exact
     local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=dist.device)  # [K]
@@ -125,10 +117,6 @@ def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     keys = sorted(per_rank[0])
     return _reduce_rows(torch.tensor([[float(m[k]) for k in keys] for m in per_rank], dtype=torch.float64), keys,
                         per_rank[0])
-
-
-def _kind(value) -> type:
-    return type(value) if isinstance(value, (Sum, Max, Min)) else float
 
 
 def _reduce_rows(rows: torch.Tensor, keys: list[str], example: dict) -> dict[str, float]:
@@ -186,11 +174,9 @@ def side_group(address: tuple[str, int], rank: int, size: int, device: torch.dev
     return tdist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
-    """tensor from rank root to every rank of a side_group (in place on the others)."""
-    options = tdist.BroadcastOptions()
-    options.rootRank = root
-    group.broadcast([tensor], options).wait()
+def broadcast(group, tensor: torch.Tensor) -> None:
+    """tensor from rank 0 to every rank of a side_group (in place on the others): BroadcastOptions' default root."""
+    group.broadcast([tensor], tdist.BroadcastOptions()).wait()
 
 
 def barrier(dist: Dist) -> None:
@@ -200,9 +186,7 @@ def barrier(dist: Dist) -> None:
 
 def shutdown(dist: Dist) -> None:
     """Barrier then destroy the group: without the barrier a rank occasionally aborts at exit (seen with gloo).
-
-    Guarded by is_initialized(): an in-process vLLM engine's shutdown may have destroyed the default group already.
-    """
+    Guarded by is_initialized(): an in-process vLLM engine's shutdown may have destroyed the default group already."""
     if dist.mesh is not None and tdist.is_initialized():
         tdist.barrier()
         tdist.destroy_process_group()

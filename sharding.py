@@ -22,8 +22,8 @@ API (every function is called by every rank, in the same order; with no process 
 Sharding: each decoder layer (the model's _no_split_modules classes) is one FSDP2 group, the root (embeddings,
 final norm, lm_head) another; parameters are sharded over the mesh's "dp" dimension. Rank 0 reads the HF weights,
 the other ranks build the model on the meta device and receive their shards from rank 0, so only one full copy
-is ever read from disk. With a single process (no process group) the model is returned unsharded and the
-MixedPrecisionPolicy does not apply (it computes in the load dtype).
+is ever read from disk. With a single process (no process group) the model is returned unsharded, and
+torch.autocast stands in for the MixedPrecisionPolicy (compute_in).
 
 Checkpoint layout (a shared filesystem, as on one node): ckpt_dir/step_{N}/ holds one folder per model (the
 caller names them: actor/, critic/), each with DCP's .metadata and shards of {"model", "optim"} keyed by parameter
@@ -201,15 +201,13 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
                        model_class=AutoModelForCausalLM, config: PreTrainedConfig | None = None,
                        gradient_checkpointing: bool = False, lora: tuple[int, float, str] | None = None
                        ) -> torch.nn.Module:
-    """The HF model at model_path, FSDP2-sharded over dist.mesh["dp"] (plain on dist.device without a group).
-
-    The master weights are fp32; FSDPConfig.param_dtype sets the compute dtype.
-    trainable=False gives a frozen reference: no gradients, eval mode. model_class and config (None: the folder's)
-    pick another head, e.g. a critic: AutoModelForTokenClassification with config.num_labels = 1; weights the
-    folder lacks (the new head) are initialised on rank 0 and reach the other ranks with the rest.
-    gradient_checkpointing: each decoder layer recomputes its activations in backward (HF's, non-reentrant).
-    lora (rank, alpha, target modules): LoRA adapters (lora.py), added before sharding; only they train.
-    """
+    """The HF model at model_path, FSDP2-sharded over dist.mesh["dp"] (plain on dist.device without a group), with
+    fp32 master weights (FSDPConfig.param_dtype sets the compute dtype). trainable=False gives a frozen reference:
+    no gradients, eval mode. model_class and config (None: the folder's) pick another head, e.g. a critic:
+    AutoModelForTokenClassification with config.num_labels = 1; weights the folder lacks (the new head) are
+    initialised on rank 0 and reach the other ranks with the rest. gradient_checkpointing: each decoder layer
+    recomputes its activations in backward (HF's, non-reentrant). lora (rank, alpha, target modules): LoRA
+    adapters (lora.py), added before sharding; only they train."""
     cfg = cfg or FSDPConfig()
     config = config or AutoConfig.from_pretrained(model_path)
     if dist.mesh is None:
@@ -239,11 +237,8 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Scale gradients to a global L2 norm of at most max_norm; the norm before clipping, as a float.
-
-    clip_grad_norm_ reduces the per-shard norms of FSDP2's DTensor gradients across ranks itself; the total
-    comes back as a replicated DTensor.
-    """
+    """Scale gradients to a global L2 norm of at most max_norm; the norm before clipping, as a float. Collective:
+    clip_grad_norm_ reduces the norms of FSDP2's gradient shards across ranks (a replicated DTensor comes back)."""
     norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
@@ -297,8 +292,8 @@ def weight_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.Tensor]]
     """The model's weights (engine_weights: parameters + persistent buffers, HF names, a tied weight once),
     as groups that never split a decoder layer: one group per layer (a _no_split_modules module), one per other
     tensor. vLLM fuses q/k/v and gate/up inside a layer, and its loader rebuilds a fused module from the weights
-    of one load call only (the parts left out become garbage), so a layer must reach it whole.
-    """
+    of one load call only (the parts left out come out as uninitialised memory: wrong or NaN log-probs), so a layer
+    must reach it whole."""
     layers = [name + "." for name, _ in decoder_layers(model)]
     seen, groups, current = set(), [], None
     for name, tensor in engine_weights(model):
@@ -351,12 +346,9 @@ def weight_buckets(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype
 
 def full_weights(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None,
                  adapted_only: bool = False):
-    """Yield lists of (HF name, full tensor in dtype): weight_buckets, each gathered when it is yielded.
-
-    Collective: every rank iterates, every rank gets the full tensors. This generator keeps no reference to a
-    bucket, so once the caller drops it no second full copy of the model exists. dtype None keeps the master
-    dtype; shards are cast before the gather.
-    """
+    """Yield lists of (HF name, full tensor in dtype): weight_buckets, each gathered when it is yielded. Collective:
+    every rank iterates, every rank gets the full tensors. This generator keeps no reference to a bucket, so once
+    the caller drops it no second full copy of the model exists."""
     for bucket in weight_buckets(model, bucket_bytes, dtype, adapted_only):
         yield [(n, full_tensor(t, dtype)) for n, t in bucket]
 
@@ -372,9 +364,7 @@ TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)  # frozen we
 def _state(model, optimizer) -> dict:
     """The DCP state of a model and its optimizer (None: the model only), keyed by parameter name (DTensor shards);
     with an optimizer, its trained parameters only (LoRA: the adapters, the base weights being the model folder's).
-
-    get_state_dict creates AdamW's state (a zero-lr step) when none exists yet, so a load has a target to fill.
-    """
+    get_state_dict creates AdamW's state (a zero-lr step) when none exists yet, so a load has a target to fill."""
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED)
@@ -473,10 +463,8 @@ def readable_checkpoint(ckpt_dir: str) -> tuple[str | None, list[str]]:
 
 
 def find_latest(ckpt_dir: str) -> str | None:
-    """The folder that ckpt_dir/latest names, or None when there is no `latest` (a fresh run).
-
-    Only `latest` counts: a step_*.tmp folder left by a crashed save is never picked.
-    """
+    """The folder that ckpt_dir/latest names, or None when there is no `latest` (a fresh run). Only `latest`
+    counts: a step_*.tmp folder left by a crashed save is never picked."""
     pointer = os.path.join(ckpt_dir, "latest")
     if not os.path.isfile(pointer):
         return None
@@ -486,10 +474,8 @@ def find_latest(ckpt_dir: str) -> str | None:
 
 def load_sharded(path: str, model, optimizer, dist: Dist) -> dict:
     """Load a folder that save_sharded wrote into model and optimizer (None: the model only); returns this rank's
-    `extra` (rank 0's when this rank has no file: the world size changed).
-
-    Works whatever world size saved it: DCP reads each rank's slice of every named tensor.
-    """
+    `extra` (rank 0's when this rank has no file: the world size changed). Works whatever world size saved it:
+    DCP reads each rank's slice of every named tensor."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
     if not os.path.isfile(os.path.join(path, ".metadata")):

@@ -85,10 +85,8 @@ def plot_curves(records: list[dict], path: str):
 
 
 def run_summary(records: list[dict], out_dir: str, wall_s: float) -> dict:
-    """What a finished run did (summary.json): steps, wall time (this process's), each phase's share of the step time
-    (nested phases, e.g. reshard inside gen, count in both), tokens/s per rank, each phase's peak memory, the mean
-    MFU of each update and the loop's own share, skipped optimizer steps, and the best held-out accuracy with the
-    checkpoint that holds it (None when no checkpoint was kept there)."""
+    """What a finished run did (summary.json). wall_s is this process's; nested phases (reshard inside gen) count
+    in both phase shares; best_checkpoint is None when no checkpoint was kept at the best step."""
     steps = [r for r in records if r["step"] > 0]
     step_s = sum(r.get("timing_s/step", 0.0) for r in steps)
     phases = sorted({k for r in steps for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
