@@ -1,17 +1,14 @@
-"""Supervised fine-tuning (SFT), and the built-in tiny policy that the default RL run starts from.
+"""Supervised fine-tuning (SFT), and the cached warm start that the default RL run starts from.
 
-    python sft.py                                   # build the tiny policy, warm-start it on arith (cached)
+    python sft.py                                   # build the tiny policy (tiny.py), warm-start it on arith (cached)
     python sft.py --model-path PATH --train-files sft.parquet --val-files val.parquet --out-dir out/sft \
         --reward-fn-path my_reward.py               # any HF model, any prompt/response parquet, any reward
     python grpo.py --model-path out/sft ...         # the folder sft.py wrote is the RL run's policy
 
-The built-in policy is made here, with no download: a byte-level tokenizer (one token per byte) built with
-the `tokenizers` library (saved as an HF tokenizer with a minimal chat template, so the prompt path is the
-one real chat models use) and a tiny `Qwen2ForCausalLM` made from a config. Its warm start has two phases
-on the built-in arithmetic task: it learns to add from the true answers (until held-out greedy accuracy
-reaches `stop_accuracy`), then picks up a habit from a sloppy teacher that forgets each carry with chance
-`teacher_slip`. The result knows how to carry and samples it now and then, but its greedy answer drops
-carries, so RL has a behaviour to select (as RL on an LLM sharpens what the base model does sometimes).
+The built-in warm start has two phases on the built-in arithmetic task: it learns to add from the true answers
+(until held-out greedy accuracy reaches `stop_accuracy`), then picks up a habit from a sloppy teacher that forgets
+each carry with chance `teacher_slip`. The result knows how to carry and samples it now and then, but its greedy
+answer drops carries, so RL has a behaviour to select (as RL on an LLM sharpens what the base model does sometimes).
 
 The SFT data is a parquet of (prompt, response) rows. The prompt is a chat list or a plain string; the
 response is the column `response_key` names (a dotted path reads into a dict column, e.g. extra_info.answer).
@@ -46,19 +43,13 @@ from config import check_paths, split_files
 from data import (RLDataset, default_compute_score, is_message, load_reward_fn, load_tokenizer, score_responses,
                   tokenize_prompt)
 from fileio import sha256
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tiny import build_byte_tokenizer, build_tiny_qwen2
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers import logging as hf_logging
 
-SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
-# One turn is <|role|>content<|end|>; generation starts after <|assistant|> and stops at <|end|> (the EOS).
 CACHE = "~/.cache/nanoverl/warmstart"  # where out_dir=None puts a run, in a folder named by its config's hash
 RESULT = "sft_result.json"  # written last into a finished model folder: config, inputs' hash, history
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
 
 
 @dataclass
@@ -144,45 +135,6 @@ class SFTConfig:
         if self.eval_size < 1:
             raise ValueError(f"eval_size={self.eval_size} must be >= 1")
         check_paths(self)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The built-in policy: a byte-level tokenizer (one token per byte) and a tiny Qwen2, both made locally
-# ---------------------------------------------------------------------------------------------------
-
-
-def build_byte_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer with no merges: one token per byte, so any text encodes.
-
-    It is a GPT-2/Qwen-style byte-level BPE with an empty merge list, so transformers' Qwen2Tokenizer
-    (which AutoTokenizer picks for a qwen2 model) and vLLM rebuild exactly the same tokenizer from it.
-    vocab_size: filler tokens (never produced by encoding) up to a real model's vocabulary, for benches at its shapes.
-    """
-    tokens = SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens += [f"<|filler{i}|>" for i in range(len(tokens), vocab_size or 0)]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>", unk_token="<|unk|>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def build_tiny_qwen2(tokenizer, cfg: SFTConfig) -> Qwen2ForCausalLM:
-    """A tiny Qwen2 from a config (no download); vLLM serves it like any Qwen2."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=512, tie_word_embeddings=True,
-        rope_theta=10000.0, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
-    )
-    torch.manual_seed(cfg.seed)
-    return Qwen2ForCausalLM(config)
 
 
 # ---------------------------------------------------------------------------------------------------
