@@ -10,19 +10,10 @@ The built-in warm start has two phases on the built-in arithmetic task: it learn
 each carry with chance `teacher_slip`. The result knows how to carry and samples it now and then, but its greedy
 answer drops carries, so RL has a behaviour to select (as RL on an LLM sharpens what the base model does sometimes).
 
-The SFT data is a parquet of (prompt, response) rows. The prompt is a chat list or a plain string; the
-response is the column `response_key` names (a dotted path reads into a dict column, e.g. extra_info.answer).
-Left unset, the keys are found as RESPONSE_KEYS / PROMPT_KEYS list them (verl's and TRL's layouts), or a
-`messages` chat column whose last turn is the response (earlier turns, assistant ones too, are the prompt). A
-response may also be one assistant message (TRL's conversational completion). The loss covers response tokens
-(and the closing EOS).
-
-Evaluation is the RL run's: greedy decoding on `val_files` (verl's RL schema), scored by the same reward
-dispatch (`reward_fn_path`, else the built-in verifier of each row's data_source). The best evaluation's model
-is the one saved (the lowest training loss between evaluations when there is no val set), in exactly
-`out_dir`, with `sft_result.json` (config, a hash of the data and reward files, history). A second run with the
-same config and inputs reuses it; changed data, reward file or config trains again (the base model folder is
-named in the config, not hashed).
+The SFT data is a parquet of (prompt, response) rows in verl's or TRL's layouts (sft_keys); the loss covers the
+response tokens and the closing EOS. Evaluation is the RL run's: greedy decoding on `val_files`, scored by the same
+reward dispatch. The best evaluation's model is saved in exactly `out_dir` with `sft_result.json`; a second run of
+the same config on the same data and reward files reuses it (the base model folder is named, not hashed).
 """
 
 import hashlib
@@ -128,18 +119,12 @@ class SFTConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
-        if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
-            raise ValueError("batch_size, max_steps and eval_every must be >= 1")
+        for name in ("batch_size", "max_steps", "eval_every", "eval_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.habit_steps < 0:
             raise ValueError(f"habit_steps={self.habit_steps} must be >= 0 (0: no sloppy-teacher phase)")
-        if self.eval_size < 1:
-            raise ValueError(f"eval_size={self.eval_size} must be >= 1")
         check_paths(self)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Data: (prompt, response) pairs -> token ids with a loss mask on the response
-# ---------------------------------------------------------------------------------------------------
 
 
 # Where a key left unset is looked for, in this order; the first the file's first row has wins. verl's SFT examples
@@ -170,12 +155,11 @@ def sft_keys(row: dict, path: str, prompt_key: str | None, response_key: str | N
     if prompt_key is None and response_key is None and MESSAGES in row and not any(has(row, k) for k in PROMPT_KEYS):
         return MESSAGES, MESSAGES
     keys = []
-    for key, candidates, flag in ((prompt_key, PROMPT_KEYS, "--prompt-key"), (response_key, RESPONSE_KEYS,
-                                                                              "--response-key")):
+    for key, candidates, flag in ((prompt_key, PROMPT_KEYS, "prompt"), (response_key, RESPONSE_KEYS, "response")):
         found = [k for k in candidates if has(row, k)]
         if key is None and not found:
             raise ValueError(f"{path}: no column among {', '.join(candidates)} (its columns: {', '.join(row)}): "
-                             f"name yours with {flag}")
+                             f"name yours with --{flag}-key")
         keys.append(key or found[0])
     return keys[0], keys[1]
 
@@ -185,8 +169,6 @@ def read_sft_rows(files: str, prompt_key: str | None = None, response_key: str |
     names the file and row."""
     pairs = []
     for path in split_files(files):
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"SFT file not found: {path}")
         rows = pq.read_table(path).to_pylist()  # plain python values: a null stays None (pandas makes it NaN)
         if not rows:
             raise ValueError(f"{path}: no rows")
@@ -250,11 +232,6 @@ def sft_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Evaluation: greedy decoding on held-out prompts, scored by the task's verifier
-# ---------------------------------------------------------------------------------------------------
-
-
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, reward_fn=default_compute_score) -> float:
     """Mean reward of the greedy responses to rows (RLDataset items), scored as RL scores them (HF generate, left
@@ -273,19 +250,12 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, rew
     return sum(scores) / len(scores)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Training: keep the best evaluation's model
-# ---------------------------------------------------------------------------------------------------
-
-
 def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir: str, habit_pairs=None,
           reward_fn=default_compute_score, inputs_hash: str | None = None, max_steps: int | None = None) -> dict:
-    """AdamW on the response loss, evaluating every eval_every steps, until stop_accuracy (or max_steps); the best
-    evaluation's model (held-out accuracy, or the training loss since the previous evaluation without val_rows)
-    is the one saved to out_dir. Given habit_pairs (the built-in task's sloppy teacher), habit_steps more on those
-    follow from the best model, and their last step is saved (the habit lowers accuracy on purpose). out_dir gets
-    RESULT too: the history, the config and inputs_hash (what a later run compares to reuse it). max_steps: the
-    first phase's, in place of cfg.max_steps."""
+    """AdamW on the response loss until stop_accuracy or max_steps (in place of cfg.max_steps); the best evaluation's
+    model (held-out accuracy, or the training loss without val_rows) is saved to out_dir with RESULT. Given
+    habit_pairs (the built-in task's second teacher), habit_steps more follow from it, and their last step is saved
+    (the habit lowers accuracy on purpose)."""
     random.seed(cfg.seed)
     lengths = [len(tokenizer(r)["input_ids"]) for _, r, _ in pairs] + [
         len(tokenizer(r["ground_truth"])["input_ids"]) for r in val_rows]
