@@ -83,8 +83,8 @@ class Config:
     ignore_eos: bool = False
     """Sample every response to max_response_length, past EOS: fixed-length work, for benchmarks (bench/step.py)."""
     gpu_memory_utilization: float = 0.5
-    """GPU: the share of device memory the vLLM engine takes (weights + KV cache), colocated with the trainer, whose
-    state it gets back in train mode. CPU: unused (the engine takes a 1 GiB KV cache)."""
+    """GPU: the share of device memory the vLLM engine takes (weights + KV cache) beside the trainer, which gets it
+    back in train mode. CPU: unused (a 1 GiB KV cache)."""
     rollout_tp: int = 1
     """vLLM tensor parallelism (verl's tensor_model_parallel_size): groups of rollout_tp consecutive torchrun ranks
     each run one engine sharded over them, generating the prompts of all its ranks; each rank keeps its own."""
@@ -148,12 +148,10 @@ class Config:
     """DAPO's overlong filtering: a response cut at max_response_length (no EOS) gets no policy loss."""
     old_log_probs: Literal["auto", "recompute", "rollout", "update"] = "auto"
     """Where the PPO ratio's old log-probs come from. recompute: a no-grad pass of the policy before the update
-    (verl's default; with stale samples, the proximal policy of AReaL's decoupled loss). rollout: the engine's own,
-    no pass (verl's bypass; the engine-trainer gap is still measured every step, on the update's first
-    mini-batch). update: the first mini-batch's own forward, detached: exact, and valid only when the update is one
-    optimizer step on the weights that sampled (ppo_epochs 1, ppo_mini_batch_size = train_batch_size, no stale
-    samples) and nothing needs them before it (use_kl_in_reward, rollout_mask). auto: update where it is exact
-    (TRL's default behaviour, no separate pass), else recompute (Config.old_log_probs_from)."""
+    (verl's default; with stale samples, AReaL's proximal policy). rollout: the engine's own, no pass (verl's bypass;
+    the engine-trainer gap is still measured on the update's first mini-batch). update: that mini-batch's forward,
+    detached: exact only for one optimizer step on the weights that sampled, with nothing needing them earlier
+    (Config._update_is_inexact). auto: update where it is exact (TRL's behaviour), else recompute."""
     use_kl_in_reward: bool = False
     """Subtract kl_coef * the per-token KL(policy || reference) from the token rewards (Ziegler et al. 2019)."""
     kl_penalty: KLKind = "k1"
@@ -209,10 +207,9 @@ class Config:
     """Most real tokens in one micro-batch of the passes without gradients (old and reference log-probs, the critic's
     values), always by token budget: they keep no activations, and the logits exist a chunk at a time."""
     oom_retry: bool = False
-    """An out-of-memory in a micro-batch halves that phase's micro-batch limit (the token budget above, or
-    ppo_micro_batch_size) and reruns the phase's micro-batches, printing it (perf/oom_retries/<role> counts them);
-    the step's result is unchanged, and the halved limit stays. Off: the error names the phase, the micro-batch and
-    the knobs. Every rank must meet the error at the same micro-batch (workers.Worker.oom_retry)."""
+    """An out-of-memory in a micro-batch halves that phase's micro-batch limit (token budget or ppo_micro_batch_size,
+    for the rest of the run) and reruns its micro-batches: same result, counted in perf/oom_retries/<role>. Off: the
+    error names the phase, micro-batch and knobs. Every rank must meet it at the same micro-batch (Worker.oom_retry)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (actor and critic; verl's
     enable_gradient_checkpointing): the update's memory no longer grows with layers x tokens."""
@@ -242,11 +239,11 @@ class Config:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """What each role keeps in CPU memory while it is not computing (GPU; sharding.OffloadConfig)."""
     hybrid: HybridConfig = field(default_factory=HybridConfig)
-    """The weight sync into the rollout engine (hybrid_engine.py, rollout_pool.py): bucket size, verification."""
+    """The weight sync into the rollout engines (hybrid_engine.py, a RolloutPool's too): bucket size, verification."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn rollouts with tools (agent.py): the tools' file, the call and output format, turns, timeout."""
     async_: Annotated[AsyncConfig, tyro.conf.arg(name="async")] = field(default_factory=AsyncConfig)
-    """A rollout pool of its own and one-step-off generation (ray_trainer.py only; rollout_pool.py)."""
+    """A rollout pool of its own and one-step-off generation (ray_trainer.py only: RolloutPool)."""
     dist_timeout_s: int = 1800
     """Seconds a collective may wait before the run fails (torchrun and Ray's worker groups). Under torchrun a rank
     that dies is named by the others within seconds; one that hangs, when this has passed (watchdog.watch_ranks)."""
@@ -280,34 +277,27 @@ class Config:
     run is refused, so that no run destroys another's results."""
 
     def __post_init__(self):
-        for name in ("rollout_n", "train_batch_size", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs",
-                     "total_steps", "eval_every", "val_size", "max_prompt_length", "max_response_length",
-                     "max_gen_rounds"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for rule, ok, names in (
+            (">= 1", lambda v: v >= 1, ("rollout_n", "train_batch_size", "ppo_mini_batch_size", "ppo_micro_batch_size",
+                                        "ppo_epochs", "total_steps", "eval_every", "val_size", "max_prompt_length",
+                                        "max_response_length", "max_gen_rounds", "max_ckpt_to_keep", "rollout_tp",
+                                        "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "kl_horizon")),
+            ("> 0", lambda v: v > 0, ("lr", "critic_lr", "cliprange_value", "kl_target", "grad_clip", "temperature",
+                                      "lora_alpha")),
+            (">= 0", lambda v: v >= 0, ("ckpt_every", "lora_rank", "weight_decay", "kl_loss_coef")),
+            ("in [0, 1]", lambda v: 0 <= v <= 1, ("gamma", "lam", "lr_warmup_steps_ratio", "min_lr_ratio")),
+            ("in (0, 1]", lambda v: 0 < v <= 1, ("top_p", "gpu_memory_utilization")),
+        ):
+            for name in names:
+                if not ok(getattr(self, name)):
+                    raise ValueError(f"{name}={getattr(self, name)} must be {rule}")
         if self.train_batch_size % self.ppo_mini_batch_size:
             raise ValueError(f"train_batch_size={self.train_batch_size} must be a multiple of "
                              f"ppo_mini_batch_size={self.ppo_mini_batch_size}")
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature} must be > 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.max_ckpt_to_keep < 1:
-            raise ValueError(f"max_ckpt_to_keep={self.max_ckpt_to_keep} must be >= 1")
-        if self.ckpt_every < 0:
-            raise ValueError(f"ckpt_every={self.ckpt_every} must be >= 0 (0: no checkpoints)")
-        if self.ppo_max_token_len_per_gpu < 1:
-            raise ValueError(f"ppo_max_token_len_per_gpu={self.ppo_max_token_len_per_gpu} must be >= 1")
-        if self.log_prob_max_token_len_per_gpu < 1:
-            raise ValueError(f"log_prob_max_token_len_per_gpu={self.log_prob_max_token_len_per_gpu} must be >= 1")
-        if self.rollout_tp < 1:
-            raise ValueError(f"rollout_tp={self.rollout_tp} must be >= 1")
-        if self.lora_rank < 0 or self.lora_alpha <= 0:
-            raise ValueError(f"lora_rank={self.lora_rank} must be >= 0 (0: off) and lora_alpha={self.lora_alpha} > 0")
+        if self.lr_warmup_steps < -1:
+            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} must be >= -1 (-1: lr_warmup_steps_ratio)")
         if self.agent.tools_path and self.rollout_tp > 1:
             raise ValueError(f"agent.tools_path with rollout_tp={self.rollout_tp}: the agent loop's turns differ per "
                              "rank, and a TP group generates together; use rollout_tp=1")
@@ -319,14 +309,6 @@ class Config:
         if on_host and self.fsdp.cpu_offload:
             raise ValueError(f"{', '.join(on_host)} with fsdp.cpu_offload=True: the parameters already live in CPU "
                              "memory")
-        for name in ("gamma", "lam"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
-        for name in ("lr", "critic_lr", "cliprange_value", "kl_target", "grad_clip"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
-        if self.kl_horizon < 1:
-            raise ValueError(f"kl_horizon={self.kl_horizon} must be >= 1")
         if not 0 <= self.critic_warmup < self.total_steps:
             raise ValueError(f"critic_warmup={self.critic_warmup} must be in [0, total_steps={self.total_steps}): "
                              "the actor trains only after it")
@@ -340,11 +322,6 @@ class Config:
         if self.adv_estimator in ("grpo", "rloo") and self.use_kl_in_reward:
             raise ValueError(f"use_kl_in_reward: adv_estimator={self.adv_estimator!r} scores whole responses, not "
                              "tokens; use use_kl_loss")
-        if self.lr_warmup_steps < -1 or not 0 <= self.lr_warmup_steps_ratio <= 1 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} must be >= -1, lr_warmup_steps_ratio="
-                             f"{self.lr_warmup_steps_ratio} and min_lr_ratio={self.min_lr_ratio} in [0, 1]")
-        if self.weight_decay < 0 or self.kl_loss_coef < 0:
-            raise ValueError(f"weight_decay={self.weight_decay} and kl_loss_coef={self.kl_loss_coef} must be >= 0")
         check_paths(self)
         if self.adv_estimator == "rloo" and self.rollout_n < 2:
             raise ValueError(f"rollout_n={self.rollout_n}: rloo's leave-one-out baseline needs >= 2 samples a prompt")

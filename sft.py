@@ -1,31 +1,19 @@
-"""Supervised fine-tuning (SFT), and the built-in tiny policy that the default RL run starts from.
+"""Supervised fine-tuning (SFT), and the cached warm start that the default RL run starts from.
 
-    python sft.py                                   # build the tiny policy, warm-start it on arith (cached)
+    python sft.py                                   # build the tiny policy (tiny.py), warm-start it on arith (cached)
     python sft.py --model-path PATH --train-files sft.parquet --val-files val.parquet --out-dir out/sft \
         --reward-fn-path my_reward.py               # any HF model, any prompt/response parquet, any reward
     python grpo.py --model-path out/sft ...         # the folder sft.py wrote is the RL run's policy
 
-The built-in policy is made here, with no download: a byte-level tokenizer (one token per byte) built with
-the `tokenizers` library (saved as an HF tokenizer with a minimal chat template, so the prompt path is the
-one real chat models use) and a tiny `Qwen2ForCausalLM` made from a config. Its warm start has two phases
-on the built-in arithmetic task: it learns to add from the true answers (until held-out greedy accuracy
-reaches `stop_accuracy`), then picks up a habit from a sloppy teacher that forgets each carry with chance
-`teacher_slip`. The result knows how to carry and samples it now and then, but its greedy answer drops
-carries, so RL has a behaviour to select (as RL on an LLM sharpens what the base model does sometimes).
+The built-in warm start has two phases on the built-in arithmetic task: it learns to add from the true answers
+(until held-out greedy accuracy reaches `stop_accuracy`), then picks up a habit from a sloppy teacher that forgets
+each carry with chance `teacher_slip`. The result knows how to carry and samples it now and then, but its greedy
+answer drops carries, so RL has a behaviour to select (as RL on an LLM sharpens what the base model does sometimes).
 
-The SFT data is a parquet of (prompt, response) rows. The prompt is a chat list or a plain string; the
-response is the column `response_key` names (a dotted path reads into a dict column, e.g. extra_info.answer).
-Left unset, the keys are found as RESPONSE_KEYS / PROMPT_KEYS list them (verl's and TRL's layouts), or a
-`messages` chat column whose last turn is the response (earlier turns, assistant ones too, are the prompt). A
-response may also be one assistant message (TRL's conversational completion). The loss covers response tokens
-(and the closing EOS).
-
-Evaluation is the RL run's: greedy decoding on `val_files` (verl's RL schema), scored by the same reward
-dispatch (`reward_fn_path`, else the built-in verifier of each row's data_source). The best evaluation's model
-is the one saved (the lowest training loss between evaluations when there is no val set), in exactly
-`out_dir`, with `sft_result.json` (config, a hash of the data and reward files, history). A second run with the
-same config and inputs reuses it; changed data, reward file or config trains again (the base model folder is
-named in the config, not hashed).
+The SFT data is a parquet of (prompt, response) rows in verl's or TRL's layouts (sft_keys); the loss covers the
+response tokens and the closing EOS. Evaluation is the RL run's: greedy decoding on `val_files`, scored by the same
+reward dispatch. The best evaluation's model is saved in exactly `out_dir` with `sft_result.json`; a second run of
+the same config on the same data and reward files reuses it (the base model folder is named, not hashed).
 """
 
 import hashlib
@@ -46,19 +34,13 @@ from config import check_paths, split_files
 from data import (RLDataset, default_compute_score, is_message, load_reward_fn, load_tokenizer, score_responses,
                   tokenize_prompt)
 from fileio import sha256
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tiny import build_byte_tokenizer, build_tiny_qwen2
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers import logging as hf_logging
 
-SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
-# One turn is <|role|>content<|end|>; generation starts after <|assistant|> and stops at <|end|> (the EOS).
 CACHE = "~/.cache/nanoverl/warmstart"  # where out_dir=None puts a run, in a folder named by its config's hash
 RESULT = "sft_result.json"  # written last into a finished model folder: config, inputs' hash, history
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
 
 
 @dataclass
@@ -137,57 +119,12 @@ class SFTConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
-        if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
-            raise ValueError("batch_size, max_steps and eval_every must be >= 1")
+        for name in ("batch_size", "max_steps", "eval_every", "eval_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.habit_steps < 0:
             raise ValueError(f"habit_steps={self.habit_steps} must be >= 0 (0: no sloppy-teacher phase)")
-        if self.eval_size < 1:
-            raise ValueError(f"eval_size={self.eval_size} must be >= 1")
         check_paths(self)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The built-in policy: a byte-level tokenizer (one token per byte) and a tiny Qwen2, both made locally
-# ---------------------------------------------------------------------------------------------------
-
-
-def build_byte_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer with no merges: one token per byte, so any text encodes.
-
-    It is a GPT-2/Qwen-style byte-level BPE with an empty merge list, so transformers' Qwen2Tokenizer
-    (which AutoTokenizer picks for a qwen2 model) and vLLM rebuild exactly the same tokenizer from it.
-    vocab_size: filler tokens (never produced by encoding) up to a real model's vocabulary, for benches at its shapes.
-    """
-    tokens = SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens += [f"<|filler{i}|>" for i in range(len(tokens), vocab_size or 0)]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>", unk_token="<|unk|>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def build_tiny_qwen2(tokenizer, cfg: SFTConfig) -> Qwen2ForCausalLM:
-    """A tiny Qwen2 from a config (no download); vLLM serves it like any Qwen2."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=512, tie_word_embeddings=True,
-        rope_theta=10000.0, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
-    )
-    torch.manual_seed(cfg.seed)
-    return Qwen2ForCausalLM(config)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Data: (prompt, response) pairs -> token ids with a loss mask on the response
-# ---------------------------------------------------------------------------------------------------
 
 
 # Where a key left unset is looked for, in this order; the first the file's first row has wins. verl's SFT examples
@@ -218,12 +155,11 @@ def sft_keys(row: dict, path: str, prompt_key: str | None, response_key: str | N
     if prompt_key is None and response_key is None and MESSAGES in row and not any(has(row, k) for k in PROMPT_KEYS):
         return MESSAGES, MESSAGES
     keys = []
-    for key, candidates, flag in ((prompt_key, PROMPT_KEYS, "--prompt-key"), (response_key, RESPONSE_KEYS,
-                                                                              "--response-key")):
+    for key, candidates, flag in ((prompt_key, PROMPT_KEYS, "prompt"), (response_key, RESPONSE_KEYS, "response")):
         found = [k for k in candidates if has(row, k)]
         if key is None and not found:
             raise ValueError(f"{path}: no column among {', '.join(candidates)} (its columns: {', '.join(row)}): "
-                             f"name yours with {flag}")
+                             f"name yours with --{flag}-key")
         keys.append(key or found[0])
     return keys[0], keys[1]
 
@@ -233,8 +169,6 @@ def read_sft_rows(files: str, prompt_key: str | None = None, response_key: str |
     names the file and row."""
     pairs = []
     for path in split_files(files):
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"SFT file not found: {path}")
         rows = pq.read_table(path).to_pylist()  # plain python values: a null stays None (pandas makes it NaN)
         if not rows:
             raise ValueError(f"{path}: no rows")
@@ -298,11 +232,6 @@ def sft_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Evaluation: greedy decoding on held-out prompts, scored by the task's verifier
-# ---------------------------------------------------------------------------------------------------
-
-
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, reward_fn=default_compute_score) -> float:
     """Mean reward of the greedy responses to rows (RLDataset items), scored as RL scores them (HF generate, left
@@ -321,19 +250,12 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, rew
     return sum(scores) / len(scores)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Training: keep the best evaluation's model
-# ---------------------------------------------------------------------------------------------------
-
-
 def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir: str, habit_pairs=None,
           reward_fn=default_compute_score, inputs_hash: str | None = None, max_steps: int | None = None) -> dict:
-    """AdamW on the response loss, evaluating every eval_every steps, until stop_accuracy (or max_steps); the best
-    evaluation's model (held-out accuracy, or the training loss since the previous evaluation without val_rows)
-    is the one saved to out_dir. Given habit_pairs (the built-in task's sloppy teacher), habit_steps more on those
-    follow from the best model, and their last step is saved (the habit lowers accuracy on purpose). out_dir gets
-    RESULT too: the history, the config and inputs_hash (what a later run compares to reuse it). max_steps: the
-    first phase's, in place of cfg.max_steps."""
+    """AdamW on the response loss until stop_accuracy or max_steps (in place of cfg.max_steps); the best evaluation's
+    model (held-out accuracy, or the training loss without val_rows) is saved to out_dir with RESULT. Given
+    habit_pairs (the built-in task's second teacher), habit_steps more follow from it, and their last step is saved
+    (the habit lowers accuracy on purpose)."""
     random.seed(cfg.seed)
     lengths = [len(tokenizer(r)["input_ids"]) for _, r, _ in pairs] + [
         len(tokenizer(r["ground_truth"])["input_ids"]) for r in val_rows]

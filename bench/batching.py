@@ -28,7 +28,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from comm import init_distributed  # noqa: E402
 from config import Config  # noqa: E402
 from workers import ActorWorker, pad_batch  # noqa: E402
-from sft import build_byte_tokenizer  # noqa: E402
+from tiny import build_byte_tokenizer  # noqa: E402
 
 
 @dataclass

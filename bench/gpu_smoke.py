@@ -169,7 +169,7 @@ def worker_main(out_path: str, flags: list[str]) -> None:
 def make_inputs(cfg: SmokeConfig) -> dict:
     """The model folder (random weights at SHAPES[size], the padded byte tokenizer), the task, the reward file."""
     from data.arith import ArithConfig, write_parquet
-    from sft import build_byte_tokenizer
+    from tiny import build_byte_tokenizer
 
     root = Path(cfg.out_dir)
     shapes = SHAPES[cfg.size]

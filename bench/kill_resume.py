@@ -26,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from data.arith import ArithConfig, write_parquet  # noqa: E402
-from sft import SFTConfig, build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
+from sft import SFTConfig  # noqa: E402
+from tiny import build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
 
 REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
          "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"

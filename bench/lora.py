@@ -28,7 +28,8 @@ import tyro  # noqa: E402
 from comm import init_distributed  # noqa: E402
 from config import Config  # noqa: E402
 from perf import peak_memory, reset_peak_memory  # noqa: E402
-from sft import SFTConfig, build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
+from sft import SFTConfig  # noqa: E402
+from tiny import build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
 from step import GEN_MODEL  # noqa: E402
 from workers import ActorWorker, pad_batch  # noqa: E402
 

@@ -25,7 +25,8 @@ import tyro  # noqa: E402
 from data import tokenize_prompt  # noqa: E402
 from data.arith import ArithConfig, make_problems  # noqa: E402
 from rollout import HFRollout, VLLMRollout  # noqa: E402
-from sft import SFTConfig, build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
+from sft import SFTConfig  # noqa: E402
+from tiny import build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
 
 
 @dataclass

@@ -42,7 +42,8 @@ from comm import init_distributed  # noqa: E402
 from perf import model_flops, model_shape, peak_flops  # noqa: E402
 from config import Config, with_task_values  # noqa: E402
 from ppo import TorchrunController, load_task, make_run, prompt_indices, rl_step, warm_start_and_task_files  # noqa: E402
-from sft import SFTConfig, build_tiny_qwen2  # noqa: E402
+from sft import SFTConfig  # noqa: E402
+from tiny import build_tiny_qwen2  # noqa: E402
 from sharding import DTYPES  # noqa: E402
 from workers import ActorWorker  # noqa: E402
 

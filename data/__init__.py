@@ -21,7 +21,10 @@ import math
 import numbers
 import os
 
+import pyarrow as pa
 import pyarrow.parquet as pq
+
+from fileio import write_atomic
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 
@@ -41,6 +44,22 @@ def read_rl_parquet(path: str) -> list[dict]:
         row["extra_info"] = row.get("extra_info") or {}
         row["ability"] = row.get("ability") or ""
     return rows
+
+
+def rl_row(data_source: str, question: str, ground_truth: str, extra_info: dict) -> dict:
+    """A row of verl's RL schema (above): a one-turn question, scored by rule against ground_truth."""
+    return {"data_source": data_source, "prompt": [{"role": "user", "content": question}], "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": ground_truth}, "extra_info": extra_info}
+
+
+def write_splits(out_dir: str, splits: dict[str, list[dict]]) -> tuple[str, ...]:
+    """Write each split's rows to out_dir/{split}.parquet (created if missing; a crash never leaves half a file);
+    return the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = tuple(os.path.join(out_dir, f"{split}.parquet") for split in splits)
+    for path, rows in zip(paths, splits.values()):
+        write_atomic(path, lambda tmp, rows=rows: pq.write_table(pa.Table.from_pylist(rows), tmp))
+    return paths
 
 
 def _check_row(row: dict, where: str) -> None:
@@ -147,11 +166,8 @@ def default_compute_score(
 
 
 def load_reward_fn(path: str | None, name: str = "compute_score"):
-    """Return the reward fn `(data_source, solution_str, ground_truth, extra_info=None) -> float`.
-
-    With path None it is default_compute_score; else it is the function `name` in the python file
-    at `path` (verl's custom_reward_function.path / .name).
-    """
+    """The reward function `(data_source, solution_str, ground_truth, extra_info=None) -> float`: `name` in the python
+    file at `path` (verl's custom_reward_function.path / .name), or default_compute_score when path is None."""
     if path is None:
         return default_compute_score
     if not os.path.isfile(path):
@@ -187,9 +203,8 @@ def reward_site(reward_fn, row: dict) -> str:
 
 
 def checked_score(value, reward_fn, row: dict) -> float:
-    """A reward function's answer as a float, or an error naming the function, the data_source, the prompt's file
-    and row, and the value. A dict is read at "score" (verl's reward functions may return {"score": x, ...});
-    a non-numeric or non-finite value stops the run before it trains on it."""
+    """A reward function's answer as a float, read at "score" in a dict (as verl's may return); a non-numeric or
+    non-finite value is an error naming it and where it came from (reward_site), before the run trains on it."""
     where = reward_site(reward_fn, row)
     if isinstance(value, dict):
         if "score" not in value:

@@ -10,16 +10,13 @@ Test:
 """
 
 import operator
-import os
 import random
 import re
 from dataclasses import dataclass
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import tyro
 
-from fileio import write_atomic
+from data import rl_row, write_splits
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
@@ -86,12 +83,8 @@ def make_problems(cfg: ArithConfig, n: int, seed: int, exclude: frozenset[str] =
 
 
 def teacher_sum(numbers: list[int], slip: float, rng: random.Random) -> int:
-    """A sloppy teacher's column addition: each carry is forgotten with chance slip.
-
-    Its mistakes are systematic, so a model trained on them answers right where nothing carries and
-    samples the right answer elsewhere only sometimes: a behaviour that RL can select, as RL on an LLM
-    sharpens what the base model already does now and then.
-    """
+    """A sloppy teacher's column addition: each carry is forgotten with chance slip (a systematic mistake, which
+    the warm start learns and RL unlearns: see sft.py)."""
     digits, carry = [], 0
     while any(numbers) or carry:
         if carry and rng.random() < slip:
@@ -120,15 +113,8 @@ def evaluate(numbers: list[int], signs: list[str]) -> int:
 
 
 def to_row(problem: dict, split: str, index: int) -> dict:
-    """One problem as a row of verl's RL schema."""
-    return {
-        "data_source": "arith",
-        # just the expression: a tiny byte-level policy reads it
-        "prompt": [{"role": "user", "content": problem["expression"] + "="}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
-        "extra_info": {"split": split, "index": index, **problem},
-    }
+    """One problem as a row of verl's RL schema; the prompt is the bare expression, which a tiny policy reads."""
+    return rl_row("arith", problem["expression"] + "=", problem["answer"], {"split": split, "index": index, **problem})
 
 
 def make_splits(cfg: ArithConfig) -> tuple[list[dict], list[dict]]:
@@ -144,19 +130,12 @@ def make_splits(cfg: ArithConfig) -> tuple[list[dict], list[dict]]:
 
 def write_parquet(cfg: ArithConfig) -> tuple[str, str]:
     """Write train.parquet and val.parquet in cfg.out_dir; return their paths."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    train_path, val_path = os.path.join(cfg.out_dir, "train.parquet"), os.path.join(cfg.out_dir, "val.parquet")
     train, val = make_splits(cfg)
-    write_atomic(train_path, lambda tmp: pq.write_table(pa.Table.from_pylist(train), tmp))
-    write_atomic(val_path, lambda tmp: pq.write_table(pa.Table.from_pylist(val), tmp))
-    return train_path, val_path
+    return write_splits(cfg.out_dir, {"train": train, "val": val})
 
 
-# An integer, optionally negative, plain (1234) or with thousands separators (1,234).
-# Lookarounds keep it from matching inside a larger token:
-#   - a "-" right after a digit is subtraction, not a sign: "5-3" reads as 5 and 3;
-#   - decimals are not integers: "3.5" yields nothing, but a sentence-ending "46." yields 46;
-#   - a comma followed by digits that are not a 3-digit group ("12,34") is no number at all.
+# An integer, optionally negative, plain (1234) or with thousands separators (1,234), never part of a larger token:
+# "5-3" reads as 5 and 3, "3.5" yields nothing but a sentence-ending "46." yields 46, "12,34" is no number.
 _INTEGER = re.compile(
     r"""
     (?<![0-9.,])                        # not inside another number; "5-3" has no sign
@@ -168,11 +147,8 @@ _INTEGER = re.compile(
 
 
 def compute_score(solution_str: str, ground_truth: str) -> float:
-    """1.0 if the last integer in solution_str equals ground_truth, else 0.0 (also when none).
-
-    Text around the answer is fine ("the answer is 46." scores 1.0 against "46"); "1,234" equals
-    1234; see _INTEGER for what counts as an integer.
-    """
+    """1.0 if the last integer (_INTEGER) in solution_str equals ground_truth, else 0.0 (also when none): "the
+    answer is 46." scores 1.0 against "46", "1,234" equals 1234."""
     found = _INTEGER.findall(solution_str)
     if not found:
         return 0.0

@@ -1,7 +1,7 @@
 """The built-in task that needs a tool: products of 2-3 by 3 digits ("123*456=", 4-6 digit answers, beyond the tiny
 policy's reach) with a calculator tool. This file is also the task's tool file (agent.py reads TOOLS) and verifier.
 
-    python grpo.py --task calculator            # warm start, then RL with the tool (the README's "Tools and multi-turn")
+    python grpo.py --task calculator            # warm start, then RL with the tool (README: "Tools and multi-turn")
     python -m data.calculator                   # data/calculator/{train,val}.parquet
     python -c "from data.calculator import calc; print(calc('123*456'))"
     python -m pytest tests/test_agent.py -q
@@ -9,10 +9,9 @@ policy's reach) with a calculator tool. This file is also the task's tool file (
 A call is the text between "<<" and "=" and the tool's answer comes back as "56088>>" (AGENT: the agent loop's
 format for this task; "=" is one token of the byte tokenizer, on which generation stops), so a response that uses
 the tool reads "<<123*456=56088>>56088", one that does not "56088". The warm start (sft.py) learns the tool's use
-from traces that always call it (extra_info.tool_answer), then a teacher who calls it only for a share
-(teacher_call_rate) of the problems, at random, and answers the rest at once (extra_info.teacher_answer): the warm
-start calls the tool now and then and guesses the rest, and RL has to learn that calling pays. Only the text after the last tool output is the answer: copying the output is
-the model's work.
+from traces that always call it (extra_info.tool_answer), then from a teacher who calls it for a random share
+(teacher_call_rate) and answers the rest at once (extra_info.teacher_answer): RL has to learn that calling pays.
+Only the text after the last tool output is the answer: copying the output is the model's work.
 """
 
 import ast
@@ -21,12 +20,9 @@ import os
 import random
 from dataclasses import dataclass
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import tyro
 
-from data import arith
-from fileio import write_atomic
+from data import arith, rl_row, write_splits
 
 AGENT = dict(tools_path=os.path.abspath(__file__), call_start="<<", call_end="=", observation="{result}>>")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -88,23 +84,17 @@ def make_rows(cfg: CalculatorConfig, n: int, seed: int, split: str, exclude: fro
         if expression in exclude:
             continue
         trace = teacher_trace(expression, a * b, teacher.random() < cfg.teacher_call_rate)
-        rows.append({"data_source": "calculator", "prompt": [{"role": "user", "content": expression + "="}],
-                     "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a * b)},
-                     "extra_info": {"split": split, "index": len(rows), "expression": expression,
-                                    "answer": str(a * b), "tool_answer": teacher_trace(expression, a * b, True),
-                                    "teacher_answer": trace}})
+        rows.append(rl_row("calculator", expression + "=", str(a * b), {
+            "split": split, "index": len(rows), "expression": expression, "answer": str(a * b),
+            "tool_answer": teacher_trace(expression, a * b, True), "teacher_answer": trace}))
     return rows
 
 
 def write_parquet(cfg: CalculatorConfig) -> tuple[str, str]:
     """Write train.parquet and val.parquet in cfg.out_dir; return their paths."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
     val = make_rows(cfg, cfg.n_val, 2 * cfg.seed + 1, "val")
     train = make_rows(cfg, cfg.n_train, 2 * cfg.seed, "train", frozenset(r["extra_info"]["expression"] for r in val))
-    paths = os.path.join(cfg.out_dir, "train.parquet"), os.path.join(cfg.out_dir, "val.parquet")
-    for path, rows in zip(paths, (train, val)):
-        write_atomic(path, lambda tmp, rows=rows: pq.write_table(pa.Table.from_pylist(rows), tmp))
-    return paths
+    return write_splits(cfg.out_dir, {"train": train, "val": val})
 
 
 def compute_score(solution_str: str, ground_truth: str) -> float:

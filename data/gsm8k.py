@@ -10,16 +10,14 @@ Test:
 """
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import tyro
 
-from fileio import write_atomic
+from data import rl_row, write_splits
 
 SPLITS = ("train", "test")
 # verl's instruction, so scores compare with verl's runs
@@ -72,13 +70,8 @@ def to_row(example: dict, split: str, index: int) -> dict:
     ground_truth = extract_solution(example["answer"], "strict")
     if ground_truth is None:
         raise ValueError(f"gsm8k {split} example {index}: no '#### <number>' in its answer {example['answer']!r:.200}")
-    return {
-        "data_source": "openai/gsm8k",
-        "prompt": [{"role": "user", "content": example["question"] + " " + INSTRUCTION}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": ground_truth},
-        "extra_info": {"split": split, "index": index, "answer": example["answer"], "question": example["question"]},
-    }
+    return rl_row("openai/gsm8k", example["question"] + " " + INSTRUCTION, ground_truth,
+                  {"split": split, "index": index, "answer": example["answer"], "question": example["question"]})
 
 
 def load_local(local_dir: str, split: str) -> list[dict]:
@@ -113,14 +106,7 @@ def load_hub() -> dict[str, list[dict]]:
 def write_parquet(cfg: GSM8KConfig) -> tuple[str, str]:
     """Convert both splits and write train.parquet and test.parquet in cfg.out_dir; return their paths."""
     examples = load_hub() if cfg.local_dir is None else {s: load_local(cfg.local_dir, s) for s in SPLITS}
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    paths = []
-    for split in SPLITS:
-        path = os.path.join(cfg.out_dir, f"{split}.parquet")
-        table = pa.Table.from_pylist([to_row(example, split, i) for i, example in enumerate(examples[split])])
-        write_atomic(path, lambda tmp: pq.write_table(table, tmp))  # a crash never leaves half a parquet
-        paths.append(path)
-    return tuple(paths)
+    return write_splits(cfg.out_dir, {s: [to_row(e, s, i) for i, e in enumerate(examples[s])] for s in SPLITS})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from agent import AgentConfig  # noqa: E402
 from config import BUILTIN_TASK, Config  # noqa: E402
 from data.arith import ArithConfig, write_parquet  # noqa: E402
-from sft import SFTConfig, build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
+from sft import SFTConfig  # noqa: E402
+from tiny import build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
 
 # The tiny policy of most tests: 2 layers of width 64 (a few hundred thousand parameters with the byte vocabulary).
 TINY = SFTConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)

@@ -20,7 +20,7 @@ from comm import init_distributed
 from conftest import TINY, toy_config
 from config import AsyncConfig, Config
 from ppo import staleness
-from sft import build_tiny_qwen2
+from tiny import build_tiny_qwen2
 from workers import ActorWorker, RolloutWorker
 
 

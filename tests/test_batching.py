@@ -19,7 +19,8 @@ from batching import karmarkar_karp, micro_batches, packing_works, pad, split_by
 from comm import init_distributed
 from core_algos import AggMode
 from workers import ActorWorker, pad_batch, response_log_probs
-from sft import SFTConfig, build_tiny_qwen2
+from sft import SFTConfig
+from tiny import build_tiny_qwen2
 
 MODES = list(get_args(AggMode))
 TINY = SFTConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)

@@ -20,7 +20,7 @@ from transformers import Qwen2ForCausalLM
 import hybrid_engine
 import perf
 from conftest import TINY
-from sft import build_byte_tokenizer, build_tiny_qwen2
+from tiny import build_byte_tokenizer, build_tiny_qwen2
 from sharding import weight_groups
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_hybrid.py")

@@ -20,7 +20,8 @@ from core_algos import AggMode, grpo_advantages
 from hybrid_engine import HybridConfig
 from perf import OutOfMemory, model_shape, peak_flops
 from ppo import policy_loss_mask
-from sft import SFTConfig, build_tiny_qwen2
+from sft import SFTConfig
+from tiny import build_tiny_qwen2
 from workers import ActorWorker, CriticWorker
 
 MODES = list(get_args(AggMode))

@@ -15,7 +15,7 @@ from transformers import Qwen2ForCausalLM
 from data import tokenize_prompt
 from rollout import HFRollout, VLLMRollout
 from conftest import TINY
-from sft import build_byte_tokenizer, build_tiny_qwen2
+from tiny import build_byte_tokenizer, build_tiny_qwen2
 
 QUESTIONS = ["12+34=", "7-5=", "99+1=", "3+3=", "50-25="]
 MAX_LEN = 64

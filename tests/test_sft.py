@@ -16,7 +16,8 @@ import fileio
 from data import RLDataset
 from data.arith import ArithConfig, write_parquet
 import sft
-from sft import SFTConfig, build_tiny_qwen2, greedy_accuracy, read_sft_rows, run, train
+from sft import SFTConfig, greedy_accuracy, read_sft_rows, run, train
+from tiny import build_tiny_qwen2
 
 
 @pytest.mark.parametrize("field, value", [("stop_accuracy", 1.5), ("teacher_slip", -0.1), ("habit_steps", -1),

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 import sharding
 from comm import Max, Min, Sum, init_distributed
 from conftest import TINY
-from sft import build_byte_tokenizer, build_tiny_qwen2
+from tiny import build_byte_tokenizer, build_tiny_qwen2
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_fsdp.py")
 
