@@ -5,22 +5,17 @@ the hybrid engine) and the critic. Their methods are the whole contract between 
 
 A controller (ppo.py's torchrun loop on every rank, or a Ray driver calling every rank of a worker group) calls:
     batch, metrics = actor.generate(prompts, seeds)    # enters rollout mode (weights into vLLM), samples, leaves it
-    batch["old_log_probs"] = actor.log_probs(batch)    # [B, R]
-    batch["ref_log_probs"] = actor.ref_log_probs(batch)
-    batch["values"] = critic.values(batch)             # [B, R]
+    batch["old_log_probs"] = actor.log_probs(batch)    # [B, R]; also actor.ref_log_probs, critic.values
     metrics = critic.update(batch); metrics = actor.update(batch)
     actor.save_checkpoint(path); actor.load_checkpoint(path); actor.export(out_dir); actor.close()
-Arguments and results are TensorDicts ([B, ...], a rank's shard of the batch) or plain Python, on the CPU: a worker
-moves each micro-batch to its device (to_device, the one place) and returns CPU results, so the loop, the Ray driver
-and the math between phases never hold a device tensor (tests/test_device.py). What Config.offload keeps in host
-memory comes to the device for the phase that needs it (resident). Nothing outside a worker touches its
-attributes. Every collective a method performs runs over the worker's own process group (its dp ranks; none in one
-process) and is named in its docstring: every rank of the group must make the same calls in the same order.
+Arguments and results are TensorDicts ([B, ...], a rank's shard) or plain Python, on the CPU: a worker moves each
+micro-batch to its device (to_device, the one place) and returns CPU results (tests/test_device.py). Every
+collective a method performs runs over the worker's own process group and is named in its docstring: every rank
+of the group must make the same calls in the same order.
 
 Batch layout (verl's): prompts left-padded [B, P], responses right-padded [B, R], input_ids = both [B, P + R],
-attention_mask and position_ids [B, P + R], response_mask [B, R] (float: 1 on the model's tokens, 0 on padding and on
-a tool's output in multi-turn rows), rollout_log_probs [B, R] (the engine's); with tools (agent.py) also num_turns,
-tool_calls and tool_errors [B]. A response's length is its attention's (response_lengths), tools' tokens included.
+attention_mask and position_ids [B, P + R], response_mask [B, R] (1 on the model's tokens, 0 on padding and on a
+tool's output), rollout_log_probs [B, R] (the engine's); with tools also num_turns, tool_calls, tool_errors [B].
 """
 
 import math
