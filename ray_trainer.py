@@ -15,18 +15,13 @@ The driver holds no device. It keeps the whole batch of a step; a worker-group c
 a batch (a TensorDict, or the prompt and seed lists of generate) into contiguous chunks, one per data-parallel rank,
 runs the method on every actor, and joins the results (verl's DP_COMPUTE: tensors concatenated, metrics reduced as
 torchrun reduces them); a call with no batch goes to every actor (ONE_TO_ALL) and returns rank 0's answer. Data
-moves through Ray's object store; only the driver ever holds the whole batch.
+moves through Ray's object store.
 
-Placement: a pool is a Ray placement group of one bundle a device (a GPU on GPU machines, a CPU slot here).
-colocated: actor, rollout engine and reference in one process a device (the hybrid engine) and the critic in the same
-process; split: the critic gets its own pool and process group, and the driver runs the critic's work and the
-actor's at once where they do not depend on each other (values beside the old/ref log-probs, the critic's update
-beside the actor's).
-
-A rollout pool of its own (async.rollout_workers, RolloutPool below): generation-only engines on devices of their
-own, fed the trainer's weights after each update; with async.staleness 1 they generate batch k+1 while the trainer
-updates on batch k (verl's one-step-off), every sample carries the version of its weights, and each generated
-chunk is scored as it finishes. Every step reports each pool's busy and idle seconds and perf/bubble/<pool>.
+Placement: a pool is a Ray placement group of one bundle a device (a GPU, or a CPU slot here). colocated: actor,
+rollout engine and reference (the hybrid engine) and the critic in one process a device; split: the critic in a
+pool of its own, its work run beside the actor's where they do not depend on each other. A rollout pool of its own
+(async.rollout_workers, RolloutPool below) generates ahead of the trainer. Every step reports each pool's busy and
+idle seconds and perf/bubble/<pool>.
 
 Fault tolerance: when a worker dies or does not answer within call_timeout_s, the driver logs which worker, method,
 step and cause, kills the groups, starts new ones, loads the latest checkpoint and goes on. Sampling is seeded per
@@ -191,9 +186,8 @@ class WorkerFailure(Exception):
 
 def _chunks(n: int, k: int) -> list[slice]:
     """k contiguous slices of n items, the first n % k one longer (the same split as torchrun's shards when k | n)."""
-    sizes = [n // k + (i < n % k) for i in range(k)]
-    starts = [sum(sizes[:i]) for i in range(k)]
-    return [slice(s, s + size) for s, size in zip(starts, sizes)]
+    bounds = [i * (n // k) + min(i, n % k) for i in range(k + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _join(parts: list):
@@ -234,7 +228,6 @@ class WorkerGroup:
 
     def __init__(self, role: str, hosts: list, timeout: float, driver: "Driver", pool: str):
         self.role, self.hosts, self.timeout, self.driver, self.pool = role, hosts, timeout, driver, pool
-        self.dp_size = len(hosts)
         driver.busy.setdefault(pool, [])
 
     def __getattr__(self, method: str) -> "GroupMethod":
@@ -254,10 +247,9 @@ class GroupMethod:
         self.group, self.method = group, method
 
     def submit(self, *args, **kwargs) -> "Pending":
-        """DP_COMPUTE when an argument holds a batch (a TensorDict, or generate's prompt and seed lists): each rank
-        gets its contiguous chunk of each; else ONE_TO_ALL: every rank gets the same arguments. Keyword arguments go
+        """DP_COMPUTE when an argument holds a batch, else ONE_TO_ALL (the module's docstring); keyword arguments go
         to every rank as they are."""
-        g, k = self.group, self.group.dp_size
+        g, k = self.group, len(self.group.hosts)
         n = next((len(a) for a in args if isinstance(a, (TensorDict, list))), None)
         split = [[a[s] if isinstance(a, (TensorDict, list)) else a for a in args] for s in _chunks(n, k)] \
             if n is not None else [list(args)] * k
@@ -313,7 +305,8 @@ class Pending:
         ray.wait(self.times, num_returns=len(self.times), timeout=self.group.timeout)
 
     def _died(self, ref, error: Exception) -> str:
-        return f"{self.what}: rank {self.ranks[self.refs.index(ref)]} died ({type(error).__name__}: {str(error).splitlines()[0]})"
+        rank = self.ranks[self.refs.index(ref)]
+        return f"{self.what}: rank {rank} died ({type(error).__name__}: {str(error).splitlines()[0]})"
 
 
 class Driver:
@@ -394,11 +387,11 @@ class Groups:
     critic: WorkerGroup | None
     hosts: list  # every Ray actor, to shut down or kill
     pools: list  # placement groups
-    where: list[dict]  # each host's role, rank, node and pid
 
 
-def start_pool(n: int, rc: RayConfig, gpus: int) -> tuple:
+def start_pool(n: int, rc: RayConfig) -> tuple:
     """A placement group of n bundles (one a device) and its n WorkerHost actors, one on each bundle."""
+    gpus = rc.gpus_per_worker if rc.gpus_per_worker is not None else int(ray.cluster_resources().get("GPU", 0) > 0)
     pool = placement_group([{"CPU": rc.cpus_per_worker, **({"GPU": gpus} if gpus else {})}] * n, strategy=rc.strategy)
     ray.get(pool.ready(), timeout=600)
     host_cls = ray.remote(WorkerHost)
@@ -408,26 +401,27 @@ def start_pool(n: int, rc: RayConfig, gpus: int) -> tuple:
 
 
 def start_groups(cfg: Config, rc: RayConfig, model_path: str, driver: Driver, incarnation: int) -> Groups:
-    """The pools and worker groups of the configured placement; every group forms its own process group."""
-    gpus = rc.gpus_per_worker if rc.gpus_per_worker is not None else int(ray.cluster_resources().get("GPU", 0) > 0)
+    """The pools and worker groups of the configured placement, each host's place printed; every group forms its
+    own process group."""
     with_critic = cfg.adv_estimator == "gae"
     layout = [("actor", ["actor", "critic"] if with_critic and rc.placement == "colocated" else ["actor"], rc.workers)]
     if with_critic and rc.placement == "split":
         layout.append(("critic", ["critic"], rc.critic_workers or rc.workers))
     fault = None if rc.fail_role is None or incarnation >= rc.fail_times else dict(
         role=rc.fail_role, rank=rc.fail_rank, method=rc.fail_method, call=rc.fail_call, mode=rc.fail_mode)
-    groups, all_hosts, pools, where = {}, [], [], []
+    groups, all_hosts, pools = {}, [], []
     for name, roles, n in layout:
-        pool, hosts = start_pool(n, rc, gpus)
+        pool, hosts = start_pool(n, rc)
         master = ray.get(hosts[0].address.remote())
         infos = ray.get([h.setup.remote(roles, cfg, model_path, rank, n, master, fault,
                                         pinned(len(all_hosts) + rank, rc)) for rank, h in enumerate(hosts)])
-        where += [{"group": name, **info} for info in infos]
+        for info in infos:
+            print(f"[ray] {name} rank {info['rank']}: node {info['node'][:12]} pid {info['pid']}")
         for role in roles:
             groups[role] = WorkerGroup(role, hosts, rc.call_timeout_s, driver, pool=name)
         all_hosts += hosts
         pools.append(pool)
-    return Groups(groups["actor"], groups.get("critic"), all_hosts, pools, where)
+    return Groups(groups["actor"], groups.get("critic"), all_hosts, pools)
 
 
 def pinned(host: int, rc: RayConfig) -> list[int] | None:
@@ -480,15 +474,13 @@ class Request:
 class RolloutPool:
     """Engines that only generate, on devices of their own (RolloutWorker, one a device), fed the trainer's weights
     after each update (sync), and the batches they generate ahead of the trainer (prefetch; ppo.feed_pool decides
-    which, within async.staleness). ppo.rl_step takes a batch with generate(rows, seeds): the prefetched one for
-    those seeds, else one generated now.
+    which, within async.staleness: with 1, batch k+1 is generated while the trainer updates on batch k, verl's
+    one-step-off). Every sample carries the version of its weights; each chunk is scored as soon as it exists.
 
     Weight sync: the trainer's ranks gather each bucket of whole decoder layers (ActorWorker.send_weights) and its
-    rank 0 broadcasts the tensors over a group of its own with every engine (comm.side_group: gloo on CPU, NCCL on
-    GPU); each engine loads a bucket as it arrives. With hybrid.verify_sync the engines then prove it as the hybrid
-    engine does (checksums of what arrived against the trainer's, and the probe's log-probs).
-    A dead engine: the pool is replaced (new engines, a new sync group, the current weights) and what it held is
-    generated again; the trainer's groups go on. Its restarts count against ray.max_restarts."""
+    rank 0 broadcasts them to every engine over a group of their own (comm.side_group); hybrid.verify_sync checks
+    them as the hybrid engine does. A dead engine: the pool is replaced (new engines, a new sync group, the current
+    weights) and what it held is generated again; the trainer's groups go on (ray.max_restarts counts it)."""
 
     def __init__(self, cfg: Config, rc: RayConfig, model_path: str, actor: WorkerGroup, driver: Driver,
                  critic_hosts: list):
@@ -505,10 +497,9 @@ class RolloutPool:
     def _start(self) -> None:
         """New engines (the model from model_path) and a new weight-sync group with the trainer's rank 0."""
         rc, n = self.rc, self.cfg.async_.rollout_workers
-        gpus = rc.gpus_per_worker if rc.gpus_per_worker is not None else int(ray.cluster_resources().get("GPU", 0) > 0)
         fault = dict(role="rollout", rank=rc.fail_rank, method=rc.fail_method, call=rc.fail_call, mode=rc.fail_mode) \
             if rc.fail_role == "rollout" and self.restarts < rc.fail_times else None
-        self.placement, self.hosts = start_pool(n, rc, gpus)
+        self.placement, self.hosts = start_pool(n, rc)
         first = len(self.actor.hosts) + len(self.critic_hosts)  # the trainer's workers took the first cores
         infos = ray.get([h.setup.remote(["rollout"], self.cfg, self.model_path, rank, 1, None, fault,
                                         pinned(first + rank, rc)) for rank, h in enumerate(self.hosts)])
@@ -661,8 +652,7 @@ def train(rc_all: RayTrainerConfig) -> list[dict]:
         env = {"PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}  # the workers import ours
         context = ray.init(address=rc.address, runtime_env={"env_vars": env}, include_dashboard=rc.dashboard,
                            **({} if rc.address else {"num_cpus": max(os.cpu_count() or 1, 2)}))
-        if context.dashboard_url:
-            url = context.dashboard_url
+        if url := context.dashboard_url:
             print(f"[ray] dashboard: {url if '://' in url else 'http://' + url}", flush=True)
     model_path, train_files, val_files = warm_start_and_task_files(cfg, init_distributed())  # the driver: no group
     task = load_task(cfg, model_path, train_files, val_files, 1)  # bad data: named before any worker starts
@@ -671,8 +661,6 @@ def train(rc_all: RayTrainerConfig) -> list[dict]:
         driver, groups, pool = Driver(rc.workers, restarts), None, None
         try:
             groups = start_groups(cfg, rc, model_path, driver, restarts)
-            for w in groups.where:
-                print(f"[ray] {w['group']} rank {w['rank']}: node {w['node'][:12]} pid {w['pid']}")
             if cfg.async_.rollout_workers:
                 split = groups.critic.hosts if groups.critic and groups.critic.hosts is not groups.actor.hosts else []
                 pool = RolloutPool(cfg, rc, model_path, groups.actor, driver, split)
