@@ -35,8 +35,7 @@ class AsyncConfig:
     update; 0: the actor's colocated engines generate (the hybrid engine). Ray controller only."""
     staleness: int = 1
     """With a rollout pool: a sample may come from weights at most this many updates behind the trainer's (AReaL's
-    bound). 0: synchronous (each batch waits for the previous update); 1: one-step-off (batch k+1 generates while
-    the trainer updates on batch k)."""
+    bound); 0: synchronous, 1: one-step-off (batch k+1 generates while the trainer updates on batch k)."""
     score_chunks: int = 4
     """With a rollout pool: each worker generates its share in this many calls, and each is scored (a Ray task)
     as soon as it finishes, while the next generates."""
@@ -89,13 +88,11 @@ class Config:
     """vLLM tensor parallelism (verl's tensor_model_parallel_size): groups of rollout_tp consecutive torchrun ranks
     each run one engine sharded over them, generating the prompts of all its ranks; each rank keeps its own."""
     cuda_graphs: bool = False
-    """GPU: let vLLM capture CUDA graphs (enforce_eager off): faster decoding, valid only while every weight sync
-    rewrites the engine's weights in place (not yet shown on a GPU: check the probe with --hybrid.verify-sync);
-    off: eager, any reload is safe."""
+    """GPU: let vLLM capture CUDA graphs (enforce_eager off): faster decoding, valid only while each weight sync
+    rewrites the weights in place (not yet shown on a GPU: check with --hybrid.verify-sync); off: eager."""
     # ---- algorithm ----
     adv_estimator: AdvEstimator = "gae"
-    """gae: PPO with a critic (python ppo.py's default); grpo (python grpo.py's), rloo, reinforce_plus_plus and
-    reinforce_plus_plus_baseline need no critic."""
+    """gae: PPO with a critic (ppo.py's default); the others need none (grpo: grpo.py's default)."""
     gamma: float = 1.0
     """Discount of future token rewards (GAE, REINFORCE++)."""
     lam: float = 1.0
@@ -120,9 +117,8 @@ class Config:
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (subtracted from the loss)."""
     tis_cap: float | None = None
-    """Truncated importance sampling (Yao et al. 2025): weight each token's policy-gradient loss by
-    min(exp(old_log_prob - rollout_log_prob), tis_cap), correcting for the engine sampling from slightly other
-    probabilities than the trainer computes (other kernels, dtype); None: off. verl's runs use 2."""
+    """Truncated importance sampling (Yao et al. 2025): each token's policy-gradient loss times min(exp(old_log_prob -
+    rollout_log_prob), tis_cap), for the engine's slightly other probabilities (kernels, dtype). None: off; verl: 2."""
     tis_level: Literal["token", "sequence"] = "token"
     """tis_cap's weights: per token, or one a response (the product of its token ratios, truncated at tis_cap)."""
     rollout_mask: Literal["token", "sequence"] | None = None
@@ -195,8 +191,7 @@ class Config:
     ppo_mini_batch_size: int = 256
     """Prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per epoch."""
     ppo_micro_batch_size: int = 16
-    """Sequences per forward/backward pass of an update (gradient accumulation), actor and critic, per device. On
-    CPU keep a micro-batch near 2k tokens (bench/step.py runs 16 sequences of 137 tokens)."""
+    """Sequences per forward/backward pass of an update (gradient accumulation), actor and critic, per device."""
     use_dynamic_bsz: bool = False
     """Micro-batches by token budget (ppo_max_token_len_per_gpu) instead of ppo_micro_batch_size sequences;
     the same gradient, less padding (batching.py)."""
@@ -269,12 +264,10 @@ class Config:
     ckpt_every: int = 0
     """Steps between DCP checkpoints in out_dir/checkpoints (0: none); they resume at any world size."""
     resume: str = "auto"
-    """auto: continue from out_dir/checkpoints' newest readable checkpoint (its files match its manifest; a damaged
-    latest one is named and passed over, loudly); latest: that one or stop, naming the damaged file; off: start
-    over; or a checkpoint path."""
+    """auto: resume from out_dir/checkpoints' newest readable checkpoint (a damaged latest one, whose files differ from
+    its manifest, is named and passed over); latest: that one or stop, naming it; off: start over; or a path."""
     overwrite: bool = False
-    """Start over in an out_dir that holds a previous run's metrics.jsonl (replacing its files); without it such a
-    run is refused, so that no run destroys another's results."""
+    """Start over in an out_dir that holds a previous run's metrics.jsonl (replacing its files); else it is refused."""
 
     def __post_init__(self):
         for rule, ok, names in (
@@ -303,8 +296,23 @@ class Config:
                              "rank, and a TP group generates together; use rollout_tp=1")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (None: off)")
-        self._check_old_log_probs()
-        self._check_dapo_and_rollout_correction()
+        if self.old_log_probs == "rollout" and self.tis_cap is not None:
+            raise ValueError("tis_cap corrects the gap between the engine's and the trainer's log-probs, which "
+                             "old_log_probs='rollout' takes as zero: use 'recompute' or 'update'")
+        wrong = self._update_is_inexact() if self.old_log_probs == "update" else []
+        if wrong:
+            raise ValueError(f"old_log_probs='update' takes them from one optimizer step on the sampling weights: "
+                             f"{'; '.join(wrong)}; or use 'recompute' / 'rollout'")
+        if self.rollout_mask and self.old_log_probs not in ("recompute", "auto"):
+            raise ValueError(f"rollout_mask={self.rollout_mask!r} compares the old log-probs with the engine's before "
+                             f"the update: it needs old_log_probs='recompute', not {self.old_log_probs!r}")
+        if not 0 < self.rollout_mask_low < 1 < self.rollout_mask_high:
+            raise ValueError(f"rollout_mask_low={self.rollout_mask_low} must be in (0, 1) and rollout_mask_high="
+                             f"{self.rollout_mask_high} above 1")
+        if not 0 <= self.overlong_buffer_len <= self.max_response_length or self.overlong_penalty_factor < 0:
+            raise ValueError(f"overlong_buffer_len={self.overlong_buffer_len} must be in [0, max_response_length="
+                             f"{self.max_response_length}] and overlong_penalty_factor={self.overlong_penalty_factor} "
+                             ">= 0")
         on_host = [f"offload.{k}" for k in ("actor_params", "ref_params", "critic_params") if getattr(self.offload, k)]
         if on_host and self.fsdp.cpu_offload:
             raise ValueError(f"{', '.join(on_host)} with fsdp.cpu_offload=True: the parameters already live in CPU "
@@ -326,18 +334,6 @@ class Config:
         if self.adv_estimator == "rloo" and self.rollout_n < 2:
             raise ValueError(f"rollout_n={self.rollout_n}: rloo's leave-one-out baseline needs >= 2 samples a prompt")
 
-    def _check_dapo_and_rollout_correction(self) -> None:
-        if self.rollout_mask and self.old_log_probs not in ("recompute", "auto"):
-            raise ValueError(f"rollout_mask={self.rollout_mask!r} compares the old log-probs with the engine's before "
-                             f"the update: it needs old_log_probs='recompute', not {self.old_log_probs!r}")
-        if not 0 < self.rollout_mask_low < 1 < self.rollout_mask_high:
-            raise ValueError(f"rollout_mask_low={self.rollout_mask_low} must be in (0, 1) and rollout_mask_high="
-                             f"{self.rollout_mask_high} above 1")
-        if not 0 <= self.overlong_buffer_len <= self.max_response_length or self.overlong_penalty_factor < 0:
-            raise ValueError(f"overlong_buffer_len={self.overlong_buffer_len} must be in [0, max_response_length="
-                             f"{self.max_response_length}] and overlong_penalty_factor={self.overlong_penalty_factor} "
-                             ">= 0")
-
     def _update_is_inexact(self) -> list[str]:
         """Why the update's own first forward would not give the sampling policy's log-probs (empty: it would)."""
         wrong = [f"ppo_epochs={self.ppo_epochs} must be 1"] if self.ppo_epochs != 1 else []
@@ -357,16 +353,6 @@ class Config:
         if self.old_log_probs != "auto":
             return self.old_log_probs
         return "recompute" if self._update_is_inexact() else "update"
-
-    def _check_old_log_probs(self) -> None:
-        if self.old_log_probs == "rollout" and self.tis_cap is not None:
-            raise ValueError("tis_cap corrects the gap between the engine's and the trainer's log-probs, which "
-                             "old_log_probs='rollout' takes as zero: use 'recompute' or 'update'")
-        if self.old_log_probs == "update":
-            wrong = self._update_is_inexact()
-            if wrong:
-                raise ValueError(f"old_log_probs='update' takes them from one optimizer step on the sampling weights: "
-                                 f"{'; '.join(wrong)}; or use 'recompute' / 'rollout'")
 
     @property
     def lora(self) -> tuple[int, float, str] | None:
@@ -389,9 +375,8 @@ TASK_VALUES = {"arith": BUILTIN_TASK, "calculator": dict(BUILTIN_TASK, max_respo
 
 
 def with_task_values(cfg: Config, is_main: bool = True) -> Config:
-    """The config a run uses: without --model-path, the built-in task's value (TASK_VALUES) for each field left at
-    its default (the fields a user set keep theirs), printed once (is_main); the task's tools where
-    agent.tools_path is None, and a folder of its own (out/grpo_calculator) where out_dir is the entry point's."""
+    """The config a run uses: without --model-path, TASK_VALUES for each field left at its default (printed once,
+    is_main); the task's tools where agent.tools_path is None; out/grpo_calculator where out_dir is the default."""
     if cfg.task == "calculator" and cfg.agent.tools_path is None:
         from data.calculator import AGENT
 
@@ -409,8 +394,7 @@ def with_task_values(cfg: Config, is_main: bool = True) -> Config:
 
 
 def check_paths(cfg) -> None:
-    """The files and folders a config (Config or sft.SFTConfig) names must exist: found out before any model or engine
-    starts."""
+    """The files and folders a config (Config or sft.SFTConfig) names must exist, found before anything starts."""
     for name in ("model_path", "critic_model_path"):
         path = getattr(cfg, name, None)
         if path is None:

@@ -6,12 +6,10 @@
     python grpo.py --adv-estimator rloo             # RLOO (also reinforce_plus_plus, reinforce_plus_plus_baseline)
     python grpo.py --model-path PATH --train-files train.parquet --val-files val.parquet
 
-Each prompt is sampled n times; a response's advantage is its reward minus its group's mean, divided by
-the group's std (GRPO, Shao et al. 2024) or not (Dr.GRPO, Liu et al. 2025), the same for every token; RLOO's
-baseline is the mean of the other n - 1 rewards. There is no critic (adv_estimator "grpo" instead of PPO's "gae");
-the policy loss is PPO's clipped surrogate, optionally with a KL loss to the frozen reference (--use-kl-loss).
-The estimators themselves are in core_algos.py (group_advantages, grpo_advantages, rloo_advantages), beside
-PPO's, because the one step (ppo.rl_step) picks any of them by name; a prompt's group never spans dp ranks.
+Each prompt is sampled n times; a response's advantage, the same for every token, is its reward minus its group's
+mean, divided by the group's std (GRPO, Shao et al. 2024) or not (Dr.GRPO, Liu et al. 2025); RLOO's baseline is the
+mean of the other n - 1 rewards. No critic; the loss is PPO's clipped surrogate (+ --use-kl-loss). The estimators
+are in core_algos.py beside PPO's, as the one step (ppo.rl_step) picks any by name; a group never spans dp ranks.
 """
 
 import tyro

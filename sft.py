@@ -5,10 +5,9 @@
         --reward-fn-path my_reward.py               # any HF model, any prompt/response parquet, any reward
     python grpo.py --model-path out/sft ...         # the folder sft.py wrote is the RL run's policy
 
-The built-in warm start has two phases on the built-in arithmetic task: it learns to add from the true answers
-(until held-out greedy accuracy reaches `stop_accuracy`), then picks up a habit from a sloppy teacher that forgets
-each carry with chance `teacher_slip`. The result knows how to carry and samples it now and then, but its greedy
-answer drops carries, so RL has a behaviour to select (as RL on an LLM sharpens what the base model does sometimes).
+The built-in warm start learns to add on the arithmetic task (until greedy held-out accuracy reaches stop_accuracy),
+then a habit from a sloppy teacher who forgets each carry (teacher_slip): it samples carries now and then but drops
+them greedily, so RL has a behaviour to select (as RL on an LLM sharpens what the base model does sometimes).
 
 The SFT data is a parquet of (prompt, response) rows in verl's or TRL's layouts (sft_keys); the loss covers the
 response tokens and the closing EOS. Evaluation is the RL run's: greedy decoding on `val_files`, scored by the same
@@ -53,15 +52,12 @@ class SFTConfig:
     """Held-out parquet in verl's RL schema, scored by greedy decoding and the reward dispatch. None: the built-in
     task's when train_files is None too; else no evaluation, and the step of lowest training loss is kept."""
     prompt_key: str | None = None
-    """Column holding the prompt (a chat list of {role, content} or a plain user string); None: the first of
-    PROMPT_KEYS the file has."""
+    """Column holding the prompt (a chat list of {role, content} or a user string); None: the first of PROMPT_KEYS."""
     response_key: str | None = None
-    """Column holding the target response (a string, or one assistant message); a dotted path reads into a dict
-    column (extra_info.answer). None: the first of RESPONSE_KEYS the file has, or the last turn of a `messages`
-    chat column (only that turn is trained)."""
+    """Column holding the target response (a string, or one assistant message; extra_info.answer reads into a dict).
+    None: the first of RESPONSE_KEYS the file has, or the last turn of a `messages` chat column (the one trained)."""
     reward_fn_path: str | None = None
-    """Python file with the reward function that scores evaluations (as in RL); None: the built-in verifier of each
-    row's data_source."""
+    """Python file with the reward function that scores evaluations (as in RL); None: each row's built-in verifier."""
     reward_fn_name: str = "compute_score"
     """Name of the function in reward_fn_path: (data_source, solution_str, ground_truth, extra_info)."""
     out_dir: str | None = None
@@ -102,10 +98,10 @@ class SFTConfig:
     seed: int = 0
     """Seed for the model initialisation and data order."""
     task: Literal["arith", "calculator"] = "arith"
-    """The built-in task (when train_files is None): arith, or calculator (data/calculator.py: calculator_steps on
-    traces that call the tool, kept by the training loss, then habit_steps on a teacher who calls it now and then)."""
+    """The built-in task (when train_files is None): arith, or calculator (data/calculator.py; see calculator_steps)."""
     calculator_steps: int = 400
-    """Built-in calculator task: SFT steps on traces that call the tool."""
+    """Built-in calculator task: SFT steps on traces that always call the tool, kept by the training loss (greedy
+    single-turn accuracy cannot show tool use); then habit_steps on a teacher who calls it now and then."""
     arith_digits: int = 2
     """Built-in task: max digits per operand (see data/arith.py)."""
     arith_ops: str = "+"
@@ -165,8 +161,7 @@ def sft_keys(row: dict, path: str, prompt_key: str | None, response_key: str | N
 
 
 def read_sft_rows(files: str, prompt_key: str | None = None, response_key: str | None = None) -> list[tuple]:
-    """(chat prompt, response text, "file row i") for each row of the parquet files; a missing or malformed field
-    names the file and row."""
+    """(chat prompt, response text, "file row i") for each row of the parquet files; a bad field names its row."""
     pairs = []
     for path in split_files(files):
         rows = pq.read_table(path).to_pylist()  # plain python values: a null stays None (pandas makes it NaN)
@@ -234,8 +229,7 @@ def sft_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
 
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, reward_fn=default_compute_score) -> float:
-    """Mean reward of the greedy responses to rows (RLDataset items), scored as RL scores them (HF generate, left
-    padding)."""
+    """Mean reward of the greedy responses (HF generate) to rows (RLDataset items), scored as RL scores them."""
     model.eval()
     prompts = [r["prompt_ids"] for r in rows]
     input_ids, attention_mask = pad(prompts, tokenizer.pad_token_id, left=True)  # [B, T] each
@@ -355,15 +349,14 @@ def cached(out_dir: str, config: dict, inputs_hash: str) -> bool:
     changed = [k for k, v in config.items() if old.get("config", {}).get(k) != v]
     if old.get("inputs_sha256") != inputs_hash:
         changed.insert(0, "data or reward files")
-    if not changed:
-        return True
-    print(f"{out_dir} was trained with other {', '.join(changed)}: training again")
-    return False
+    if changed:
+        print(f"{out_dir} was trained with other {', '.join(changed)}: training again")
+    return not changed
 
 
 def run(cfg: SFTConfig) -> str:
-    """Train as configured and return the model folder: exactly cfg.out_dir, or the cache folder of this config;
-    a finished run of the same config on the same inputs is reused."""
+    """Train as configured (or reuse a finished run of this config on these inputs); return the model folder:
+    exactly cfg.out_dir, or the cache folder of this config."""
     config = json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "out_dir"}))  # as RESULT stores it
     key = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
     # normpath: "out/sft/" must not put the .tmp and .data folders inside out/sft
@@ -390,8 +383,7 @@ def run(cfg: SFTConfig) -> str:
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     pairs = read_sft_rows(",".join(train_files), cfg.prompt_key, response_key)
     habit_pairs = None
-    if builtin and (cfg.teacher_slip or cfg.task == "calculator"):  # the built-in task's second phase: the sloppy
-        # teacher (arith) or the one who calls the tool only now and then (calculator)
+    if builtin and (cfg.teacher_slip or cfg.task == "calculator"):  # the second teacher (habit_steps)
         habit_pairs = read_sft_rows(train_files[0], "prompt", "extra_info.teacher_answer")
     val_rows = []
     if val_files:  # schema-checked RL prompts, as the RL run reads them
@@ -410,10 +402,9 @@ def run(cfg: SFTConfig) -> str:
     return out_dir
 
 
-HELP = """Where to start: `python sft.py` builds the built-in tiny policy and warm-starts it on the arithmetic task
-(cached). Your own task: --train-files (prompt/response parquet), --response-key (if not found), --val-files and
---reward-fn-path (scored as in RL), --out-dir (then: grpo.py --model-path OUT_DIR); the README's "Your own data"
-shows the whole path. Every field follows."""
+HELP = """Where to start: `python sft.py` warm-starts the built-in tiny policy on arith (cached). Your own task:
+--train-files (prompt/response parquet), --response-key (if not found), --val-files and --reward-fn-path (scored as
+in RL), --out-dir (then: grpo.py --model-path OUT_DIR); the README's "Your own data" shows it all. All fields:"""
 
 if __name__ == "__main__":
     run(tyro.cli(SFTConfig, description=HELP))

@@ -3,9 +3,8 @@
     python sft.py                                   # builds both, then warm-starts the policy on arith (cached)
     python -c "from tiny import build_byte_tokenizer; print(build_byte_tokenizer()('12+34=').input_ids)"
 
-The tokenizer has one token per byte, built with the `tokenizers` library and saved as an HF tokenizer with a
-minimal chat template, so the prompt path is the one real chat models use. The model is a `Qwen2ForCausalLM` made
-from a config (its shape: sft.SFTConfig's fields).
+The tokenizer (one token per byte) is an HF tokenizer with a minimal chat template, so the prompt path is the one
+real chat models use; the model is a `Qwen2ForCausalLM` made from a config, its shape sft.SFTConfig's fields.
 """
 
 import torch

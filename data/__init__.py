@@ -53,8 +53,7 @@ def rl_row(data_source: str, question: str, ground_truth: str, extra_info: dict)
 
 
 def write_splits(out_dir: str, splits: dict[str, list[dict]]) -> tuple[str, ...]:
-    """Write each split's rows to out_dir/{split}.parquet (created if missing; a crash never leaves half a file);
-    return the paths."""
+    """Write each split's rows to out_dir/{split}.parquet (atomically; the folder made if missing); their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = tuple(os.path.join(out_dir, f"{split}.parquet") for split in splits)
     for path, rows in zip(paths, splits.values()):
@@ -77,11 +76,7 @@ def _check_row(row: dict, where: str) -> None:
 
 def is_message(message) -> bool:
     """A chat message: {"role": str, "content": str}."""
-    return (
-        isinstance(message, dict)
-        and isinstance(message.get("role"), str)
-        and isinstance(message.get("content"), str)
-    )
+    return isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))
 
 
 def load_tokenizer(model_path: str):
@@ -118,16 +113,10 @@ class RLDataset:
         self.items = []
         for path in files:
             for row_index, row in enumerate(read_rl_parquet(path)):
-                ids = tokenize_prompt(tokenizer, row["prompt"])
-                self.items.append(
-                    dict(
-                        prompt_ids=self._fit(ids, f"{path}, row {row_index}"),
-                        where=f"{path}, row {row_index}",  # named by errors about this prompt (its reward)
-                        data_source=row["data_source"],
-                        ground_truth=row["reward_model"]["ground_truth"],
-                        extra_info=row["extra_info"],
-                    )
-                )
+                where = f"{path}, row {row_index}"  # named by errors about this prompt (its reward)
+                ids = self._fit(tokenize_prompt(tokenizer, row["prompt"]), where)
+                self.items.append(dict(prompt_ids=ids, where=where, data_source=row["data_source"],
+                                       ground_truth=row["reward_model"]["ground_truth"], extra_info=row["extra_info"]))
 
     def _fit(self, ids: list[int], where: str) -> list[int]:
         if len(ids) <= self.max_prompt_length:
@@ -181,8 +170,7 @@ def load_reward_fn(path: str | None, name: str = "compute_score"):
 
 
 def score_responses(reward_fn, rows: list[dict], texts: list[str]) -> list[float]:
-    """The reward of each decoded response texts[b] to its prompt row rows[b] (an RLDataset item), checked; an error
-    the function raises is re-raised naming the function, the data_source, the prompt's file and row."""
+    """The checked reward of each response texts[b] to rows[b] (an RLDataset item); an error it raises names where."""
     scores = []
     for row, text in zip(rows, texts):
         try:

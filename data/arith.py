@@ -47,22 +47,15 @@ class ArithConfig:
     def __post_init__(self):
         if not self.ops or set(self.ops) - set(_OPS):
             raise ValueError(f"ops={self.ops!r}: use one or more characters among {''.join(_OPS)!r}")
-        if self.digits < 1:
-            raise ValueError(f"digits={self.digits}: must be >= 1")
-        if self.operands < 2:
-            raise ValueError(f"operands={self.operands}: must be >= 2")
+        for name, low in (("digits", 1), ("operands", 2), ("n_train", 1), ("n_val", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= {low}")
         if not 0.0 <= self.teacher_slip <= 1.0:
             raise ValueError(f"teacher_slip={self.teacher_slip}: must be in [0, 1]")
-        if self.n_train < 1 or self.n_val < 1:
-            raise ValueError(f"n_train={self.n_train}, n_val={self.n_val}: both must be >= 1")
         # train skips every val expression, so at least one expression must be left for it
-        if self.n_val >= num_expressions(self):
-            raise ValueError(f"n_val={self.n_val}: must be below the {num_expressions(self)} distinct expressions")
-
-
-def num_expressions(cfg: ArithConfig) -> int:
-    """How many distinct expressions the config can draw."""
-    return (10**cfg.digits) ** cfg.operands * len(set(cfg.ops)) ** (cfg.operands - 1)
+        count = (10**self.digits) ** self.operands * len(set(self.ops)) ** (self.operands - 1)  # distinct expressions
+        if self.n_val >= count:
+            raise ValueError(f"n_val={self.n_val}: must be below the {count} distinct expressions")
 
 
 def make_problems(cfg: ArithConfig, n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[dict]:

@@ -37,11 +37,8 @@ class GSM8KConfig:
 
 
 def extract_solution(solution_str: str, method: str = "strict") -> str | None:
-    """The final answer in solution_str, or None.
-
-    strict: the number after the last "#### ", commas and "$" removed.
-    flexible: the last number-like run in the text that is not "" or "." (commas kept, as in verl).
-    """
+    """The final answer in solution_str, or None. strict: the number after the last "#### ", commas and "$" removed;
+    flexible: the last number-like run in the text that is not "" or "." (commas kept, as in verl)."""
     if method not in ("strict", "flexible"):
         raise ValueError(f"method={method!r}: use 'strict' or 'flexible'")
     tail = solution_str[-_CLIP_CHARS:]
@@ -55,10 +52,8 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
 def compute_score(
     solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0, score: float = 1.0
 ) -> float:
-    """verl's GSM8K reward: 0.0 with no answer, format_score for a wrong one, score for a right one.
-
-    The comparison is on strings, as in verl: "72.0" does not match "72".
-    """
+    """verl's GSM8K reward: 0.0 with no answer, format_score for a wrong one, score for a right one (compared as
+    strings, as in verl: "72.0" does not match "72")."""
     answer = extract_solution(solution_str, method)
     if answer is None:
         return 0.0
