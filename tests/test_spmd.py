@@ -58,12 +58,17 @@ def launch(argv: list[str], log_path, ranks: int = 1, wait: bool = True, script:
         proc = subprocess.Popen(cmd + argv, env={**ENV, **env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
     if wait:
-        proc.wait(timeout=300)
-        with open(log_path) as log:
-            output = log.read()[start:]
-        assert proc.returncode == 0, output[-3000:]
-        assert "Traceback" not in output, output[-3000:]  # e.g. vLLM's shutdown after the process group is gone
+        finished(proc, log_path, start)
     return proc
+
+
+def finished(proc: subprocess.Popen, log_path, start: int = 0) -> None:
+    """Wait for a launched run: it must succeed, with no traceback in its output (from offset start of log_path)."""
+    proc.wait(timeout=300)
+    with open(log_path) as log:
+        output = log.read()[start:]
+    assert proc.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]  # e.g. vLLM's shutdown after the process group is gone
 
 
 def records(out_dir) -> list[dict]:
@@ -141,13 +146,16 @@ def test_two_rank_checkpoint_resumes_in_one_process(tiny_rl_setup, ppo_two_ranks
     assert b[3]["actor/reward_kl_penalty_coeff"] != 0.001  # kl_coef's default
 
 
-def run_with_fault(argv: list[str], log_path, fault: str, timeout_s: int) -> str:
-    """Launch 2 ranks with NANOVERL_FAULT, wait for the fault, then for the run to end within timeout_s; the log."""
+def run_with_fault(argv: list[str], log_path, fault: str, timeout_s: int, meanwhile=None) -> str:
+    """Launch 2 ranks with NANOVERL_FAULT, wait for the fault (then call meanwhile(), if given, which must not
+    block), then for the run to end within timeout_s; the log."""
     proc = launch(argv, log_path, ranks=2, wait=False, script="tests/dist_rank_fault.py", env={"NANOVERL_FAULT": fault})
     deadline = time.time() + 300
     while "[fault injection]" not in open(log_path).read() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     assert "[fault injection]" in open(log_path).read(), open(log_path).read()[-3000:]
+    if meanwhile:
+        meanwhile()
     proc.wait(timeout=timeout_s)  # TimeoutExpired: a rank hung on past dist_timeout_s
     assert proc.returncode != 0
     return open(log_path).read()
@@ -189,7 +197,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return 0.0
     return float(len(solution_str) % 2)
 """
-STUCK_TIMEOUT_S = 15  # dist_timeout_s of the run whose rank hangs
+STUCK_TIMEOUT_S = 20  # dist_timeout_s of the run whose rank hangs (the 1-process run fills the wait)
 
 
 def dynamic_args(setup: dict, root, out_dir, **overrides) -> list[str]:
@@ -201,27 +209,30 @@ def dynamic_args(setup: dict, root, out_dir, **overrides) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def stuck_run(tiny_rl_setup, tmp_path_factory):
-    """One 2-rank run for the two tests below: dynamic sampling fills step 1, then rank 1 hangs at the start of step 2
-    (tests/dist_rank_fault.py) and rank 0 waits dist_timeout_s for it. Its folder and its log."""
-    root = tmp_path_factory.mktemp("stuck")
-    argv = dynamic_args(tiny_rl_setup, root, root / "out", total_steps=2, dist_timeout_s=STUCK_TIMEOUT_S)
-    return root / "out", run_with_fault(argv, root / "fault.log", "1:2:hang", timeout_s=STUCK_TIMEOUT_S + 60)
+def dynamic_runs(tiny_rl_setup, tmp_path_factory):
+    """The runs of the two tests below, at once: on 2 ranks, dynamic sampling fills step 1, then rank 1 hangs at the
+    start of step 2 (tests/dist_rank_fault.py); while rank 0 waits dist_timeout_s for it (the CPUs idle), the same
+    first step runs in 1 process. Each run's folder, and the 2-rank run's log."""
+    root = tmp_path_factory.mktemp("dynamic")
+    argv = dynamic_args(tiny_rl_setup, root, root / "two", total_steps=2, dist_timeout_s=STUCK_TIMEOUT_S)
+    one_argv, one = dynamic_args(tiny_rl_setup, root, root / "one", total_steps=1), []
+    log = run_with_fault(argv, root / "two.log", "1:2:hang", timeout_s=STUCK_TIMEOUT_S + 60,
+                         meanwhile=lambda: one.append(launch(one_argv, root / "one.log", wait=False)))
+    finished(one[0], root / "one.log")
+    return dict(one=root / "one", two=root / "two", log=log)
 
 
-def test_stuck_rank_is_named_after_dist_timeout(stuck_run):
-    """Rank 1 of stuck_run is alive but takes no part: rank 0's collective times out and it names rank 1."""
-    _, log = stuck_run
+def test_stuck_rank_is_named_after_dist_timeout(dynamic_runs):
+    """Rank 1 of the 2-rank run is alive but takes no part: rank 0's collective times out and it names rank 1."""
+    log = dynamic_runs["log"]
     assert "RankFailure: rank 0 stops: rank 1 is alive but did not take part" in log, log[-3000:]
     assert "Timed out" in log  # gloo's error, after dist_timeout_s
 
 
-def test_dynamic_sampling_fills_both_ranks_with_informative_groups(tiny_rl_setup, stuck_run, tmp_path):
-    """Two thirds of the prompts give groups with equal rewards: on 1 process and on 2 ranks (stuck_run's step 1)
-    alike, the step ends with train_batch_size informative groups (none filled in), every rank running the same
-    rounds."""
-    launch(dynamic_args(tiny_rl_setup, tmp_path, tmp_path / "out", total_steps=1), tmp_path / "log")
-    for out in (tmp_path / "out", stuck_run[0]):
+def test_dynamic_sampling_fills_both_ranks_with_informative_groups(dynamic_runs):
+    """Two thirds of the prompts give groups with equal rewards: on 1 process and on 2 ranks alike, the step ends
+    with train_batch_size informative groups (none filled in), every rank running the same rounds."""
+    for out in (dynamic_runs["one"], dynamic_runs["two"]):
         step = records(out)[1]
         assert step["dynamic/kept_groups"] == 8 and step["dynamic/filled_groups"] == 0, step
         assert step["dynamic/rounds"] >= 2 and step["dynamic/dropped_groups"] >= 6
