@@ -58,6 +58,23 @@ def tiny_rl_setup(tmp_path_factory, byte_tokenizer) -> dict:
                 reward_fn_path=str(root / "reward.py"))
 
 
+# The PPO run on 2 torchrun ranks that tests/test_spmd.py (1 process, a resumed copy, a rank that dies) and
+# tests/test_ray.py (the Ray driver, critic apart) compare against: a critic, a LoRA actor, and an adaptive KL
+# coefficient in the reward (to the adapters-off base), a checkpoint every step.
+PPO_TWO_RANKS = dict(adv_estimator="gae", total_steps=2, ckpt_every=1, lora_rank=4, lora_alpha=8, lr=2e-2,
+                     use_kl_in_reward=True, kl_ctrl_type="adaptive", kl_horizon=100)
+
+
+@pytest.fixture(scope="session")
+def ppo_two_ranks(tiny_rl_setup, tmp_path_factory):
+    """PPO_TWO_RANKS's run, launched once for the session (ppo.py under torchrun); its folder. No test writes in it:
+    one that resumes it does so in a copy."""
+    from test_spmd import args, launch  # the tests' launcher (the test files import conftest, not the reverse)
+    out = tmp_path_factory.mktemp("ppo_two_ranks")
+    launch(args(tiny_rl_setup, out, **PPO_TWO_RANKS), out / "log", ranks=2, script="ppo.py")
+    return out
+
+
 # A tool whose answer the tests know, and the tiny random policy made to call it: every token's embedding gets a
 # feature (its dimension 0) that the logits of the call's tokens "[" and "]" weigh more, so both come now and then
 # at any position (the rest stays random).

@@ -1,6 +1,6 @@
 """LoRA (lora.py): only the adapters train, the reference is the base model, the engine computes with the current
-adapter (merged) every step, checkpoints resume, and the export loads in transformers and peft (under torchrun:
-test_spmd.py's two_ranks runs; on Ray with a critic: test_ray.py's PPO run):
+adapter (merged) every step, checkpoints resume, and the export loads in transformers and peft (under torchrun and
+on Ray, with a critic: conftest.ppo_two_ranks and the runs that test_spmd.py and test_ray.py compare with it):
 
     python -m pytest tests/test_lora.py -q
 """

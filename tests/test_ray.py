@@ -3,13 +3,14 @@
     python -m pytest tests/test_ray.py -q
 
 - GRPO with 2 colocated workers gives torchrun's per-step rewards, losses and accuracies and its final weights, on
-  multi-turn rows with a tool (agent.py); so does PPO with the critic in a pool of its own (split placement) and
-  a LoRA actor.
-- A worker that stops answering during generation is replaced: the run resumes from the latest checkpoint and ends
-  with the uninterrupted run's metrics and weights; ray/restarts counts the restart.
+  multi-turn rows with a tool (agent.py); so does PPO with the critic in a pool of its own (split placement), a LoRA
+  actor and an adaptive KL coefficient (against conftest.ppo_two_ranks, the torchrun run test_spmd.py uses too).
+- A rollout pool of its own: with staleness 0 the colocated run's numbers, even when a trainer worker stops
+  answering in its update: the groups and the pool are replaced, the run resumes from the latest checkpoint and
+  ends with the uninterrupted run's metrics and weights; ray/restarts counts the restart.
 - A worker that keeps dying stops the run after ray.max_restarts with an error that says so.
-- A rollout pool of its own: with staleness 0 the colocated run's numbers; one-step-off replaces a dead engine
-  without restarting the trainer, and resumes after a trainer worker exits hard in its update.
+- One-step-off replaces a dead engine without restarting the trainer, and resumes after a trainer worker exits hard
+  in its update.
 """
 
 import json
@@ -21,7 +22,7 @@ import ray
 from safetensors.torch import load_file
 from test_spmd import args, launch
 
-from conftest import toy_config
+from conftest import PPO_TWO_RANKS, toy_config
 from config import AsyncConfig, Config
 from ray_trainer import RayConfig, RayTrainerConfig, train
 
@@ -85,6 +86,7 @@ def grpo_runs(calling_setup, tmp_path_factory):
 
 
 def test_ray_grpo_equals_torchrun(grpo_runs):
+    """The Ray run of grpo_runs: torchrun's numbers and weights, tool calls in every step, no restart."""
     cfg, torchrun, ray_records = grpo_runs
     assert_same_run(records(torchrun), records(cfg.out_dir), torchrun, cfg.out_dir)
     assert ray_records == records(cfg.out_dir)
@@ -93,19 +95,9 @@ def test_ray_grpo_equals_torchrun(grpo_runs):
     assert os.path.getsize(os.path.join(cfg.out_dir, "curves.png")) > 1000
 
 
-def test_a_hung_worker_is_replaced(grpo_runs, tmp_path):
-    """Rank 1 stops answering during step 3's generation (its call 5: 1 the step-0 evaluation, 2 and 3 steps 1 and 2,
-    4 step 2's evaluation): the driver's call times out, it restarts the groups from step 2's checkpoint and ends
-    where the uninterrupted run ended. (A worker that exits hard in its update: the one-step-off test below.)"""
-    cfg, _, whole = grpo_runs
-    rc = RayConfig(workers=2, fail_role="actor", fail_rank=1, fail_method="generate", fail_call=5, fail_mode="hang",
-                   call_timeout_s=15)  # the longest call of this run takes a few seconds
-    broken = train(RayTrainerConfig(replace(cfg, out_dir=str(tmp_path)), rc))
-    assert [r["ray/restarts"] for r in broken[1:]] == [0, 0, 1]  # step 3 ran again, in the new groups
-    assert_same_run(whole, broken, cfg.out_dir, tmp_path)
-
-
 def test_a_worker_that_keeps_dying_stops_the_run(tiny_rl_setup, tmp_path):
+    """Rank 0 exits in the step-0 evaluation in every incarnation: after ray.max_restarts restarts the run stops
+    with an error that counts the failures and names the last one."""
     rc = RayConfig(workers=2, fail_role="actor", fail_rank=0, fail_method="generate", fail_call=1, fail_times=5,
                    max_restarts=1)
     with pytest.raises(RuntimeError, match=r"workers kept failing: 2 failures, ray.max_restarts=1; the last before "
@@ -114,32 +106,35 @@ def test_a_worker_that_keeps_dying_stops_the_run(tiny_rl_setup, tmp_path):
         train(RayTrainerConfig(config(tiny_rl_setup, tmp_path), rc))
 
 
-def test_ray_ppo_split_equals_torchrun(tiny_rl_setup, tmp_path):
+def test_ray_ppo_split_equals_torchrun(tiny_rl_setup, ppo_two_ranks, tmp_path):
     """PPO with the critic in a pool and process group of its own (4 workers of half a CPU), the actor a LoRA
-    adapter (its merged weights synced, verified, and exported)."""
-    torchrun, on_ray = tmp_path / "torchrun", tmp_path / "ray"
-    launch(args(tiny_rl_setup, torchrun, total_steps=2, critic_warmup=1, lora_rank=4, lr=2e-2), tmp_path / "log",
-           ranks=2, script="ppo.py")
-    cfg = config(tiny_rl_setup, on_ray, adv_estimator="gae", total_steps=2, critic_warmup=1, ckpt_every=0,
-                 lora_rank=4, lr=2e-2, hybrid=replace(Config().hybrid, verify_sync=True))
+    adapter (its merged weights synced, verified, and exported), an adaptive KL coefficient in the reward: the run
+    of conftest.ppo_two_ranks (torchrun, 2 ranks)."""
+    cfg = config(tiny_rl_setup, tmp_path, **PPO_TWO_RANKS, hybrid=replace(Config().hybrid, verify_sync=True))
     train(RayTrainerConfig(cfg, RayConfig(workers=2, placement="split", cpus_per_worker=0.5)))
-    assert_same_run(records(torchrun), records(on_ray), torchrun, on_ray, critic=True)
-    assert "timing_s/values" in records(on_ray)[1] and "critic/vf_loss" in records(on_ray)[2]
+    assert_same_run(records(ppo_two_ranks), records(tmp_path), ppo_two_ranks, tmp_path, critic=True)
+    assert "timing_s/values" in records(tmp_path)[1] and "critic/vf_loss" in records(tmp_path)[2]
 
 
 # ---- a rollout pool of its own (async.rollout_workers) ----
 
 
-def test_rollout_pool_synchronous_equals_colocated(grpo_runs, tmp_path):
-    """Two generation-only engines beside two trainer workers, staleness 0: the colocated run's numbers and final
-    weights, every sync verified."""
+def test_rollout_pool_synchronous_equals_colocated_and_a_hung_worker_is_replaced(grpo_runs, tmp_path):
+    """Two generation-only engines beside two trainer workers, staleness 0, every sync verified. Trainer rank 1 stops
+    answering in step 3's update (its call 3): the driver's call times out, it restarts the groups and the pool from
+    step 2's checkpoint, and the run ends with the colocated uninterrupted run's numbers and final weights; ray/restarts
+    counts the restart. (A worker that exits hard in its update: the one-step-off test below.)"""
     cfg, _, colocated = grpo_runs
     pooled = replace(cfg, out_dir=str(tmp_path), async_=AsyncConfig(rollout_workers=2, staleness=0))
-    records_ = train(RayTrainerConfig(pooled, RayConfig(workers=2, cpus_per_worker=0.5)))
+    rc = RayConfig(workers=2, cpus_per_worker=0.5, fail_role="actor", fail_rank=1, fail_method="update", fail_call=3,
+                   fail_mode="hang", call_timeout_s=15)  # the longest call of this run takes a few seconds
+    records_ = train(RayTrainerConfig(pooled, rc))
+    assert [r["ray/restarts"] for r in records_[1:]] == [0, 0, 1]  # step 3 ran again, in the new groups
     assert_same_run(colocated, records_, cfg.out_dir, tmp_path)
     for r in records_[1:]:
         assert r["async/staleness/max"] == 0 and r["sync/bytes"] > 0 and r["sync/probe_logprob_diff_max"] < 1e-4
         assert 0 <= r["perf/bubble/rollout"] <= 1 and 0 <= r["perf/bubble/actor"] <= 1
+        assert r["async/rollout_restarts"] == 0  # the pool was replaced with the groups, not restarted on its own
 
 
 def one_step_off(cfg: Config, out_dir, engines: int = 2) -> Config:

@@ -2,17 +2,17 @@
 
     python -m pytest tests/test_spmd.py -q
 
-- 2 ranks log the same metrics as 1 process, and sample the same first step (seeds follow the prompt, not the rank),
-  training a LoRA adapter.
-- A run killed after a checkpoint and resumed with resume=auto replays the uninterrupted run: same per-step
-  rewards, same final parameters.
-- A checkpoint written by 2 ranks (LoRA: the adapter and its optimizer state) resumes in 1 process.
-- When a rank dies (os._exit) or hangs, the other exits with an error that names it, within dist_timeout_s, and the
-  same command resumes from the latest checkpoint (tests/dist_rank_fault.py injects the fault).
-- Dynamic sampling fills 1 process and 2 ranks alike with informative groups. A run's console stays quiet.
-- PPO with a critic on 2 ranks: values, returns and advantages (whitened over both ranks) of the first step equal
-  one process's; its checkpoint resumes in 1 process with the trained critic, and the adaptive KL coefficient
-  continues its recursion.
+- PPO with a critic and a LoRA actor on 2 ranks (one launch, conftest.ppo_two_ranks, that test_ray.py compares
+  against too) logs the same metrics as 1 process and samples the same first step (seeds follow the prompt, not the
+  rank); values, returns and advantages (whitened over both ranks) of that step equal one process's. A run's console
+  stays quiet.
+- Its checkpoint (the adapter, the critic, their optimizer states, the adaptive KL coefficient) resumes in 1
+  process: the same actor and critic, and the KL coefficient continues its recursion.
+- When a rank dies (os._exit) after a checkpoint, the other exits with an error that names it, and the same command
+  resumes from that checkpoint and replays the uninterrupted run: same per-step metrics, same final parameters.
+  When a rank hangs, the other names it after dist_timeout_s. (tests/dist_rank_fault.py injects the faults.)
+- Dynamic sampling fills 1 process and 2 ranks alike with informative groups (the 2 ranks: the first step of the
+  run in which a rank then hangs).
 """
 
 import json
@@ -20,7 +20,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
+from conftest import PPO_TWO_RANKS
 from config import BUILTIN_TASK
 from core_algos import update_kl_coef
 
@@ -39,7 +39,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}  # two ranks sh
 def args(setup: dict, out_dir, **overrides) -> list[str]:
     cfg = {**BUILTIN_TASK, **setup, "train_batch_size": 8, "ppo_mini_batch_size": 4, "rollout_n": 4,
            "max_response_length": 6, "lr": 3e-3, "eval_every": 2, "out_dir": str(out_dir), **overrides}
-    return [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()] + ["--hybrid.verify-sync"]  # every sync proven
+    flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()]
+    return flags + ["--hybrid.verify-sync"]  # every sync proven
 
 
 def launch(argv: list[str], log_path, ranks: int = 1, wait: bool = True, script: str = "grpo.py", env: dict = {}):
@@ -57,66 +58,31 @@ def launch(argv: list[str], log_path, ranks: int = 1, wait: bool = True, script:
         proc = subprocess.Popen(cmd + argv, env={**ENV, **env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
     if wait:
-        proc.wait(timeout=300)
-        with open(log_path) as log:
-            output = log.read()[start:]
-        assert proc.returncode == 0, output[-3000:]
-        assert "Traceback" not in output, output[-3000:]  # e.g. vLLM's shutdown after the process group is gone
+        finished(proc, log_path, start)
     return proc
+
+
+def finished(proc: subprocess.Popen, log_path, start: int = 0) -> None:
+    """Wait for a launched run: it must succeed, with no traceback in its output (from offset start of log_path)."""
+    proc.wait(timeout=300)
+    with open(log_path) as log:
+        output = log.read()[start:]
+    assert proc.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]  # e.g. vLLM's shutdown after the process group is gone
 
 
 def records(out_dir) -> list[dict]:
     return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
 
 
-def final_weights(out_dir) -> dict:
-    return load_file(os.path.join(out_dir, "final", "model.safetensors"))
-
-
-LORA = ["--lora-rank=4", "--lora-alpha=8", "--use-kl-loss"]  # the two_ranks runs train an adapter (lora.py)
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tiny_rl_setup, tmp_path_factory):
-    out = tmp_path_factory.mktemp("two_ranks")
-    launch(args(tiny_rl_setup, out, total_steps=2, ckpt_every=2, lr=1e-2) + LORA, out / "log", ranks=2)
-    return out
-
-
-def test_two_ranks_log_what_one_process_logs(tiny_rl_setup, two_ranks, tmp_path):
-    """LoRA on FSDP2 (the merged weights' syncs verified, the KL to the adapters-off base) as in one process."""
-    launch(args(tiny_rl_setup, tmp_path, total_steps=2, lr=1e-2) + LORA, tmp_path / "log")
-    one, two = records(tmp_path), records(two_ranks)
-    assert [r.keys() for r in one] == [r.keys() for r in two] and two[2]["actor/kl_loss"] > 0
-    assert one[0]["val/accuracy"] == two[0]["val/accuracy"]  # the same initial weights, greedy
-    # step 1 samples with the initial weights and per-prompt seeds: the same responses on 1 or 2 ranks
-    for key in ("critic/score/mean", "response_length/mean"):
-        assert one[1][key] == pytest.approx(two[1][key], abs=1e-6), key
-    assert all(os.path.isfile(d / "final" / "adapter" / "adapter_model.safetensors") for d in (tmp_path, two_ranks))
-    # what the step cost (perf.py), every step: MFU, per-phase memory, the all-reduce probe, the KV cache's use
-    phases = ("gen", "reshard", "old_log_prob", "ref", "update_actor")
-    for r in two[1:]:
-        for key in ("perf/mfu/actor", "perf/allreduce_ms", "rollout/kv_cache_usage_max", "rollout/preemptions",
-                    "perf/overhead_share", *(f"perf/max_memory_gb/{p}" for p in phases)):
-            assert math.isfinite(r[key]), (key, r)
-        assert 0 < r["perf/mfu/actor"] < 1 and r["perf/allreduce_ms"] > 0 and 0 < r["rollout/kv_cache_usage_max"] <= 1
-        assert 0 <= r["perf/overhead_share"] < 1 and r["perf/max_memory_gb/update_actor"] > 0.1  # GB: a process's RSS
-    assert one[1]["perf/allreduce_ms"] == 0.0  # one process: no collective to time
-
-
-def test_two_rank_checkpoint_resumes_in_one_process(tiny_rl_setup, two_ranks, tmp_path):
-    """The 2-rank run's step-2 checkpoint (LoRA adapter, AdamW state) loads in one process: resumed there (in a copy,
-    the fixture stays as it was) with nothing left to train, it exports exactly the weights the 2 ranks exported."""
-    copy = tmp_path / "copy"
-    shutil.copytree(two_ranks, copy)
-    shutil.rmtree(copy / "final")
-    launch(args(tiny_rl_setup, copy, total_steps=2, ckpt_every=2, lr=1e-2) + LORA, tmp_path / "log")
-    assert "resumed from" in open(tmp_path / "log").read() and "step_2" in open(tmp_path / "log").read()
-    resumed, trained = final_weights(copy), final_weights(two_ranks)
-    for weights in (resumed, trained):  # the head is tied: the 2-rank export writes it out, one process does not
-        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-    assert resumed.keys() == trained.keys(), set(resumed.keys()) ^ set(trained.keys())
-    assert all(resumed[k].equal(trained[k]) for k in trained), [k for k in trained if not resumed[k].equal(trained[k])]
+def weights_equal(a: dict, b: dict, tol: float = 1e-6) -> None:
+    """The same tensors within tol. A tied head: the 2-rank export writes lm_head out, one process does not."""
+    for weights in (a, b):
+        if "model.embed_tokens.weight" in weights:
+            weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    assert a.keys() == b.keys(), set(a.keys()) ^ set(b.keys())
+    for name in a:
+        assert (a[name] - b[name]).abs().max() <= tol, name
 
 
 def assert_quiet(log_path):
@@ -129,58 +95,98 @@ def assert_quiet(log_path):
     assert not [p for p in lines if " INFO " in p], "\n".join(lines)
 
 
-def test_killed_run_resumes_exactly(tiny_rl_setup, tmp_path):
-    """(Its uninterrupted 6-step run also shows that the console stays quiet: assert_quiet.)"""
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
-    launch(args(tiny_rl_setup, whole, total_steps=6, ckpt_every=2), tmp_path / "whole.log")
-    assert_quiet(tmp_path / "whole.log")
-    proc = launch(args(tiny_rl_setup, broken, total_steps=6, ckpt_every=2), tmp_path / "broken.log", wait=False)
-    latest = broken / "checkpoints" / "latest"
-    deadline = time.time() + 300
-    while not latest.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group, mid-run
-    proc.wait()
-    assert latest.exists() and not (broken / "final").exists(), "the run must die after a checkpoint, before its end"
-    launch(args(tiny_rl_setup, broken, total_steps=6, ckpt_every=2), tmp_path / "resumed.log")  # resume=auto
-    assert "resumed from" in open(tmp_path / "resumed.log").read()
-    a, b = records(whole), records(broken)
-    assert [r["step"] for r in b] == list(range(7))
-    assert [r.get("critic/score/mean") for r in a] == [r.get("critic/score/mean") for r in b]
-    wa, wb = final_weights(whole), final_weights(broken)
-    for name in wa:
-        assert (wa[name] - wb[name]).abs().max() <= 1e-6, name
+def test_two_ranks_log_what_one_process_logs(tiny_rl_setup, ppo_two_ranks, tmp_path):
+    """PPO with a critic and a LoRA actor on FSDP2 (the merged weights' syncs verified, the reward's KL to the
+    adapters-off base) on 2 ranks (conftest.ppo_two_ranks) as in one process; the one process's console stays quiet."""
+    launch(args(tiny_rl_setup, tmp_path, **PPO_TWO_RANKS), tmp_path / "log", script="ppo.py")
+    assert_quiet(tmp_path / "log")
+    one, two = records(tmp_path), records(ppo_two_ranks)
+    assert [r.keys() for r in one] == [r.keys() for r in two] and two[2]["actor/reward_kl_penalty"] > 0
+    assert one[0]["val/accuracy"] == two[0]["val/accuracy"]  # the same initial weights, greedy
+    # step 1 samples with the initial weights and per-prompt seeds: the same responses on 1 or 2 ranks
+    for key in ("critic/score/mean", "response_length/mean"):
+        assert one[1][key] == pytest.approx(two[1][key], abs=1e-6), key
+    # and the same initial critic; max/min reduce exactly across ranks, and the advantages' extremes agree only if
+    # both ranks whiten with the statistics of the whole batch
+    for key in ("critic/values/max", "critic/values/min", "critic/returns/max", "critic/returns/min",
+                "critic/advantages/max", "critic/advantages/min"):
+        assert one[1][key] == pytest.approx(two[1][key], abs=1e-5), key
+    assert all(os.path.isfile(d / "final" / "adapter" / "adapter_model.safetensors") for d in (tmp_path, ppo_two_ranks))
+    # what the step cost (perf.py), every step: MFU, per-phase memory, the all-reduce probe, the KV cache's use
+    phases = ("gen", "reshard", "old_log_prob", "ref", "update_actor")
+    for r in two[1:]:
+        for key in ("perf/mfu/actor", "perf/allreduce_ms", "rollout/kv_cache_usage_max", "rollout/preemptions",
+                    "perf/overhead_share", *(f"perf/max_memory_gb/{p}" for p in phases)):
+            assert math.isfinite(r[key]), (key, r)
+        assert 0 < r["perf/mfu/actor"] < 1 and r["perf/allreduce_ms"] > 0 and 0 < r["rollout/kv_cache_usage_max"] <= 1
+        assert 0 <= r["perf/overhead_share"] < 1 and r["perf/max_memory_gb/update_actor"] > 0.1  # GB: a process's RSS
+    assert one[1]["perf/allreduce_ms"] == 0.0  # one process: no collective to time
 
 
-def run_with_fault(argv: list[str], log_path, fault: str, timeout_s: int) -> str:
-    """Launch 2 ranks with NANOVERL_FAULT, wait for the fault, then for the run to end within timeout_s; the log."""
+def test_two_rank_checkpoint_resumes_in_one_process(tiny_rl_setup, ppo_two_ranks, tmp_path):
+    """The 2 ranks' step-2 checkpoint (LoRA adapter, critic, their AdamW states, the KL coefficient) loads in one
+    process: resumed there (in a copy, the fixture stays as it was) for a step with learning rates far below fp32
+    resolution, it exports exactly the actor and critic the 2 ranks exported, and the adaptive KL coefficient
+    continues its recursion."""
+    copy = tmp_path / "copy"
+    shutil.copytree(ppo_two_ranks, copy)
+    shutil.rmtree(copy / "final")
+    shutil.rmtree(copy / "critic")
+    launch(args(tiny_rl_setup, copy, **{**PPO_TWO_RANKS, "total_steps": 3, "lr": 1e-30, "critic_lr": 1e-30}),
+           tmp_path / "log", script="ppo.py")
+    log = open(tmp_path / "log").read()
+    assert "resumed from" in log and "step_2" in log, log[-3000:]
+    for folder in ("final", "critic"):
+        weights_equal(*(load_file(os.path.join(d, folder, "model.safetensors")) for d in (copy, ppo_two_ranks)))
+    b = records(copy)
+    assert [r["step"] for r in b] == [0, 1, 2, 3] and b[:3] == records(ppo_two_ranks)
+    expected = update_kl_coef(b[2]["actor/reward_kl_penalty_coeff"], b[2]["actor/reward_kl_penalty"],
+                              8 * 4, "adaptive", 0.1, 100)  # train_batch_size x rollout_n responses; kl_target 0.1
+    assert b[3]["actor/reward_kl_penalty_coeff"] == pytest.approx(expected, rel=1e-12)
+    assert b[3]["actor/reward_kl_penalty_coeff"] != 0.001  # kl_coef's default
+
+
+def run_with_fault(argv: list[str], log_path, fault: str, timeout_s: int, meanwhile=None) -> str:
+    """Launch 2 ranks with NANOVERL_FAULT, wait for the fault (then call meanwhile(), if given, which must not
+    block), then for the run to end within timeout_s; the log."""
     proc = launch(argv, log_path, ranks=2, wait=False, script="tests/dist_rank_fault.py", env={"NANOVERL_FAULT": fault})
     deadline = time.time() + 300
     while "[fault injection]" not in open(log_path).read() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     assert "[fault injection]" in open(log_path).read(), open(log_path).read()[-3000:]
+    if meanwhile:
+        meanwhile()
     proc.wait(timeout=timeout_s)  # TimeoutExpired: a rank hung on past dist_timeout_s
     assert proc.returncode != 0
     return open(log_path).read()
 
 
-def test_dead_rank_is_named_and_the_same_command_resumes(tiny_rl_setup, tmp_path):
-    argv = args(tiny_rl_setup, tmp_path / "out", total_steps=3, ckpt_every=1, dist_timeout_s=60)
+# what a resumed run must replay exactly (timings and memory vary from run to run)
+REPLAYED = ("actor/", "critic/", "val/", "response_length/")
+
+
+def test_dead_rank_is_named_and_the_same_command_resumes_exactly(tiny_rl_setup, ppo_two_ranks, tmp_path):
+    """PPO_TWO_RANKS's run, but rank 1 exits hard (os._exit) at the start of step 2, after step 1's checkpoint: rank 0
+    names it and stops; the same command resumes from step 1 and replays the uninterrupted run (conftest's
+    ppo_two_ranks): the same per-step metrics, the same final actor and critic."""
+    out = tmp_path / "out"
+    argv = args(tiny_rl_setup, out, **PPO_TWO_RANKS, dist_timeout_s=60)
     log = run_with_fault(argv, tmp_path / "fault.log", "1:2:exit", timeout_s=60)
     assert "RankFailure: rank 0 stops: rank 1 died" in log, log[-3000:]
     assert "Run the same command again to resume" in log
+    assert not (out / "final").exists()
     launch(argv, tmp_path / "resume.log", ranks=2, script="tests/dist_rank_fault.py")  # no fault this time
     resumed = open(tmp_path / "resume.log").read()
     assert "resumed from" in resumed and "step_1" in resumed, resumed[-3000:]
-    assert [r["step"] for r in records(tmp_path / "out")] == [0, 1, 2, 3]
-
-
-def test_stuck_rank_is_named_after_dist_timeout(tiny_rl_setup, tmp_path):
-    timeout = 20
-    argv = args(tiny_rl_setup, tmp_path / "out", total_steps=2, dist_timeout_s=timeout)
-    log = run_with_fault(argv, tmp_path / "fault.log", "1:2:hang", timeout_s=timeout + 60)
-    assert "RankFailure: rank 0 stops: rank 1 is alive but did not take part" in log, log[-3000:]
-    assert "Timed out" in log  # gloo's error, after dist_timeout_s
+    a, b = records(ppo_two_ranks), records(out)
+    assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2]
+    for ra, rb in zip(a, b):
+        keys = [k for k in ra if k.startswith(REPLAYED)]
+        assert keys == [k for k in rb if k.startswith(REPLAYED)] and (ra["step"] == 0 or "critic/vf_loss" in keys)
+        for key in keys:
+            assert ra[key] == pytest.approx(rb[key], abs=1e-6), (ra["step"], key)
+    for folder in ("final", "critic"):
+        weights_equal(*(load_file(os.path.join(d, folder, "model.safetensors")) for d in (out, ppo_two_ranks)))
 
 
 MIXED_REWARD = """
@@ -191,48 +197,42 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return 0.0
     return float(len(solution_str) % 2)
 """
+STUCK_TIMEOUT_S = 20  # dist_timeout_s of the run whose rank hangs (the 1-process run fills the wait)
 
 
-def test_dynamic_sampling_fills_both_ranks_with_informative_groups(tiny_rl_setup, tmp_path):
+def dynamic_args(setup: dict, root, out_dir, **overrides) -> list[str]:
+    """GRPO with dynamic sampling on MIXED_REWARD (written to root): two thirds of the prompts give groups with equal
+    rewards."""
+    (root / "mixed.py").write_text(MIXED_REWARD)
+    return args({**setup, "reward_fn_path": str(root / "mixed.py")}, out_dir, max_gen_rounds=12,
+                dynamic_sampling=True, **overrides)
+
+
+@pytest.fixture(scope="module")
+def dynamic_runs(tiny_rl_setup, tmp_path_factory):
+    """The runs of the two tests below, at once: on 2 ranks, dynamic sampling fills step 1, then rank 1 hangs at the
+    start of step 2 (tests/dist_rank_fault.py); while rank 0 waits dist_timeout_s for it (the CPUs idle), the same
+    first step runs in 1 process. Each run's folder, and the 2-rank run's log."""
+    root = tmp_path_factory.mktemp("dynamic")
+    argv = dynamic_args(tiny_rl_setup, root, root / "two", total_steps=2, dist_timeout_s=STUCK_TIMEOUT_S)
+    one_argv, one = dynamic_args(tiny_rl_setup, root, root / "one", total_steps=1), []
+    log = run_with_fault(argv, root / "two.log", "1:2:hang", timeout_s=STUCK_TIMEOUT_S + 60,
+                         meanwhile=lambda: one.append(launch(one_argv, root / "one.log", wait=False)))
+    finished(one[0], root / "one.log")
+    return dict(one=root / "one", two=root / "two", log=log)
+
+
+def test_stuck_rank_is_named_after_dist_timeout(dynamic_runs):
+    """Rank 1 of the 2-rank run is alive but takes no part: rank 0's collective times out and it names rank 1."""
+    log = dynamic_runs["log"]
+    assert "RankFailure: rank 0 stops: rank 1 is alive but did not take part" in log, log[-3000:]
+    assert "Timed out" in log  # gloo's error, after dist_timeout_s
+
+
+def test_dynamic_sampling_fills_both_ranks_with_informative_groups(dynamic_runs):
     """Two thirds of the prompts give groups with equal rewards: on 1 process and on 2 ranks alike, the step ends
     with train_batch_size informative groups (none filled in), every rank running the same rounds."""
-    (tmp_path / "mixed.py").write_text(MIXED_REWARD)
-    for ranks in (1, 2):
-        out = tmp_path / f"ranks{ranks}"
-        argv = args({**tiny_rl_setup, "reward_fn_path": str(tmp_path / "mixed.py")}, out, total_steps=1,
-                    max_gen_rounds=12) + ["--dynamic-sampling"]
-        launch(argv, tmp_path / f"ranks{ranks}.log", ranks=ranks)
+    for out in (dynamic_runs["one"], dynamic_runs["two"]):
         step = records(out)[1]
         assert step["dynamic/kept_groups"] == 8 and step["dynamic/filled_groups"] == 0, step
         assert step["dynamic/rounds"] >= 2 and step["dynamic/dropped_groups"] >= 6
-
-
-def test_ppo_two_ranks_match_one_process_and_resume_in_one(tiny_rl_setup, tmp_path):
-    two, one = tmp_path / "two", tmp_path / "one"
-    kl = ["--use-kl-in-reward", "--kl-ctrl-type=adaptive", "--kl-horizon=100"]  # a coefficient that moves
-    launch(args(tiny_rl_setup, two, total_steps=2, ckpt_every=2, critic_warmup=1) + kl, tmp_path / "two.log", ranks=2,
-           script="ppo.py")
-    launch(args(tiny_rl_setup, one, total_steps=2, critic_warmup=1) + kl, tmp_path / "one.log", script="ppo.py")
-    a, b = records(one), records(two)
-    assert [r.keys() for r in a] == [r.keys() for r in b]
-    # step 1: the same responses and initial critic; max/min reduce exactly across ranks, and the advantages'
-    # extremes agree only if both ranks whiten with the statistics of the whole batch
-    for key in ("critic/score/mean", "critic/values/max", "critic/values/min", "critic/returns/max",
-                "critic/returns/min", "critic/advantages/max", "critic/advantages/min"):
-        assert a[1][key] == pytest.approx(b[1][key], abs=1e-5), key
-    # the 2-rank checkpoint (actor, critic and the KL coefficient) resumes in one process; a critic_lr far below
-    # fp32 resolution leaves the resumed critic as it was restored, so its export must equal the 2-step run's
-    trained_critic = load_file(os.path.join(two, "critic", "model.safetensors"))
-    launch(args(tiny_rl_setup, two, total_steps=3, ckpt_every=2, critic_warmup=1) + kl + ["--critic-lr=1e-30"],
-           tmp_path / "resume.log", script="ppo.py")
-    assert "resumed from" in open(tmp_path / "resume.log").read()
-    resumed_critic = load_file(os.path.join(two, "critic", "model.safetensors"))
-    assert resumed_critic.keys() == trained_critic.keys()
-    for name, weight in trained_critic.items():
-        assert (resumed_critic[name] - weight).abs().max() <= 1e-6, name
-    b = records(two)
-    assert [r["step"] for r in b] == [0, 1, 2, 3]
-    expected = update_kl_coef(b[2]["actor/reward_kl_penalty_coeff"], b[2]["actor/reward_kl_penalty"],
-                              8 * 4, "adaptive", 0.1, 100)  # train_batch_size x rollout_n responses; kl_target 0.1
-    assert b[3]["actor/reward_kl_penalty_coeff"] == pytest.approx(expected, rel=1e-12)
-    assert b[3]["actor/reward_kl_penalty_coeff"] != 0.001  # kl_coef's default
