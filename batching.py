@@ -12,6 +12,7 @@ This file splits, packs, unpacks and balances; it knows nothing about RL. The AP
     batch, metrics = balance_whole(batch, seqlens, workloads, k, unit=n)      # the same, one process holding all
     micro_rows = micro_batches(seqlens, max_tokens, dist)      # index lists, <= max_tokens each, same count on all ranks
     ids, mask = pad(token_lists, pad_id, left=True)             # [B, T] each: the one way a batch is padded
+    lengths = response_lengths(batch)                           # [B]: from the attention, a tool's tokens included
     packed = pack(input_ids, attention_mask)                    # [b, T] -> one row [1, N], position_ids restart
     keep = (packed.flat_index[:, -R - 1 : -1] >= 0) & response_mask  # [b, R]: the positions that predict response tokens
     values = unpack(per_token[packed.flat_index[keep]], keep)        # [N, ...] -> [b, R, ...], 0 at padding
@@ -245,6 +246,11 @@ def pad(rows: list[list], value, width: int | None = None, left: bool = False) -
     values = torch.tensor([[value] * f + list(r) if left else list(r) + [value] * f for r, f in zip(rows, fill)])
     mask = torch.tensor([[0] * f + [1] * len(r) if left else [1] * len(r) + [0] * f for r, f in zip(rows, fill)])
     return values.view(len(rows), T), mask.view(len(rows), T)  # [B, T] each (also when T is 0)
+
+
+def response_lengths(batch: TensorDict) -> torch.Tensor:
+    """Each response's length in tokens [B], a tool's included (response_mask counts the model's only)."""
+    return batch["attention_mask"][:, -batch["responses"].shape[1] :].sum(-1)
 
 
 @dataclass

@@ -33,8 +33,8 @@ from tensordict import TensorDict
 from tqdm import tqdm
 from transformers import AutoConfig
 
-from batching import balance_ranks, flops_workload
-from comm import (Dist, Max, Min, Sum, all_max, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics,
+from batching import balance_ranks, flops_workload, response_lengths
+from comm import (Dist, Max, Sum, all_max, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics,
                   shutdown, timer)
 from config import START_HERE, Config, split_files, with_task_values
 from core_algos import compute_advantages, kl_in_reward, on_last_token, overlong_penalty, rollout_mask, update_kl_coef
@@ -43,9 +43,9 @@ from fileio import write_atomic
 from rollout import sample_seed
 from sharding import (begin_checkpoint, checkpoint_problem, commit_checkpoint, find_latest, prune_checkpoints,
                       readable_checkpoint)
-from tracking import Tracking, plot_curves, run_summary, step_warnings
+from tracking import Tracking, batch_metrics, plot_curves, run_summary, step_warnings
 from watchdog import watch_ranks
-from workers import ActorWorker, CriticWorker, batch_widths, repadded, response_lengths
+from workers import ActorWorker, CriticWorker, batch_widths, repadded
 
 # ---------------------------------------------------------------------------------------------------
 # The controller: how the step's batch relates to the data-parallel ranks
@@ -371,43 +371,6 @@ def evaluate(run: Run) -> dict:
     if "called" in total:
         out["val/tool_call_rate"] = total["called"] / total["n"]
     return out
-
-
-def stats(name: str, x: torch.Tensor) -> dict:
-    """verl's name/mean, name/max, name/min of x."""
-    return {f"{name}/mean": x.mean().item(), f"{name}/max": Max(x.max().item()), f"{name}/min": Min(x.min().item())}
-
-
-def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
-    """verl's data metrics of one step: rewards, advantages, returns, values, lengths, engine/trainer log-prob gap;
-    with tools, turns, calls and errors per response and the share of response tokens that are a tool's."""
-    mask = batch["response_mask"]
-    real = mask.bool()  # [B, R]: the model's tokens
-    lengths = response_lengths(batch).float()  # [B]: a tool's tokens too
-    out = stats("critic/score", batch["scores"])  # [B]: one per response
-    if "old_log_probs" in batch.keys():  # recomputed (else the actor's update measures the gap)
-        gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask  # [B, R]
-        out["rollout/logprob_diff_max"] = Max(gap.max().item())
-        out["rollout/logprob_diff_mean"] = (gap.sum() / mask.sum().clamp(min=1)).item()
-    for name in ("advantages", "returns", "values"):  # [B, R]: over the real tokens
-        if name in batch.keys():
-            out.update(stats(f"critic/{name}", batch[name][real]))
-    if "values" in batch.keys():  # the share of the returns' variance that the values explain (1: all of it)
-        returns, values = batch["returns"][real], batch["values"][real]
-        out["critic/vf_explained_var"] = (1 - (returns - values).var() / returns.var().clamp(min=1e-8)).item()
-    if "num_turns" in batch.keys():  # multi-turn (agent.py)
-        calls = batch["tool_calls"].float()  # [B]
-        out.update(stats("num_turns", batch["num_turns"].float()))
-        out.update({"tool_calls/mean": calls.mean().item(), "tool_calls/rate": (calls > 0).float().mean().item(),
-                    "tool_errors/mean": batch["tool_errors"].float().mean().item(),
-                    "response_length/observation_share": (1 - mask.sum() / lengths.sum().clamp(min=1)).item()})
-    return {
-        **out,
-        "response_length/mean": lengths.mean().item(),
-        "response_length/max": Max(lengths.max().item()),
-        "response_length/clip_ratio": (lengths >= max_response_length).float().mean().item(),
-        "prompt_length/mean": (batch["attention_mask"].sum(-1) - lengths).float().mean().item(),
-    }
 
 
 # ---------------------------------------------------------------------------------------------------

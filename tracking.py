@@ -1,6 +1,6 @@
-"""What a run records besides metrics.jsonl: a console line a step, TensorBoard, wandb (Tracking), curves.png
-(plot_curves), summary.json (run_summary) and the warnings a person should see (step_warnings). Rank 0 only (the
-loop calls it there); verl's metric names.
+"""What a run records: a step's data metrics (batch_metrics, on every rank before the reduction), and on rank 0 a
+console line a step, TensorBoard, wandb (Tracking), curves.png (plot_curves), summary.json (run_summary) and the
+warnings a person should see (step_warnings); verl's metric names.
 
     python grpo.py --logger console tensorboard          # out/grpo/tensorboard/: tensorboard --logdir out/grpo
     python grpo.py --logger wandb                        # online with WANDB_API_KEY set, else offline in out/grpo/wandb
@@ -11,11 +11,18 @@ API:
     tracker.log({"critic/score/mean": 0.5, ...}, step)   # numbers only; other values are skipped
     tracker.close()
     plot_curves(records, "out/grpo/curves.png"); run_summary(records, out_dir, wall_s); step_warnings(record, previous)
+    batch_metrics(batch, max_response_length)            # a step's data metrics: rewards, advantages, lengths, tools
 """
 
 import math
 import os
 from typing import Literal
+
+import torch
+from tensordict import TensorDict
+
+from batching import response_lengths
+from comm import Max, Min
 
 Backend = Literal["console", "tensorboard", "wandb"]
 CONSOLE = {"critic/score/mean": "reward", "val/accuracy": "acc", "actor/pg_loss": "pg_loss",
@@ -127,3 +134,40 @@ def step_warnings(record: dict, previous: dict) -> list[str]:
         out.append(f"step {step}: {share:.0%} of the responses hit max_response_length (cut before EOS): raise "
                    "--max-response-length, or shape long answers (--overlong-buffer-len, --mask-truncated)")
     return out
+
+
+def stats(name: str, x: torch.Tensor) -> dict:
+    """verl's name/mean, name/max, name/min of x."""
+    return {f"{name}/mean": x.mean().item(), f"{name}/max": Max(x.max().item()), f"{name}/min": Min(x.min().item())}
+
+
+def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
+    """verl's data metrics of one step: rewards, advantages, returns, values, lengths, engine/trainer log-prob gap;
+    with tools, turns, calls and errors per response and the share of response tokens that are a tool's."""
+    mask = batch["response_mask"]
+    real = mask.bool()  # [B, R]: the model's tokens
+    lengths = response_lengths(batch).float()  # [B]: a tool's tokens too
+    out = stats("critic/score", batch["scores"])  # [B]: one per response
+    if "old_log_probs" in batch.keys():  # recomputed (else the actor's update measures the gap)
+        gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask  # [B, R]
+        out["rollout/logprob_diff_max"] = Max(gap.max().item())
+        out["rollout/logprob_diff_mean"] = (gap.sum() / mask.sum().clamp(min=1)).item()
+    for name in ("advantages", "returns", "values"):  # [B, R]: over the real tokens
+        if name in batch.keys():
+            out.update(stats(f"critic/{name}", batch[name][real]))
+    if "values" in batch.keys():  # the share of the returns' variance that the values explain (1: all of it)
+        returns, values = batch["returns"][real], batch["values"][real]
+        out["critic/vf_explained_var"] = (1 - (returns - values).var() / returns.var().clamp(min=1e-8)).item()
+    if "num_turns" in batch.keys():  # multi-turn (agent.py)
+        calls = batch["tool_calls"].float()  # [B]
+        out.update(stats("num_turns", batch["num_turns"].float()))
+        out.update({"tool_calls/mean": calls.mean().item(), "tool_calls/rate": (calls > 0).float().mean().item(),
+                    "tool_errors/mean": batch["tool_errors"].float().mean().item(),
+                    "response_length/observation_share": (1 - mask.sum() / lengths.sum().clamp(min=1)).item()})
+    return {
+        **out,
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": Max(lengths.max().item()),
+        "response_length/clip_ratio": (lengths >= max_response_length).float().mean().item(),
+        "prompt_length/mean": (batch["attention_mask"].sum(-1) - lengths).float().mean().item(),
+    }

@@ -106,11 +106,6 @@ def batch_widths(longest_prompt: int, longest_response: int, all_max) -> tuple[i
     return int(P), int(R)
 
 
-def response_lengths(batch: TensorDict) -> torch.Tensor:
-    """Each response's length in tokens [B], a tool's included (response_mask counts the model's only)."""
-    return batch["attention_mask"][:, -batch["responses"].shape[1] :].sum(-1)
-
-
 def response_positions(batch: TensorDict, remove_padding: bool) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """(the model's inputs, the output positions that predict response tokens, keep [B, R]: the response tokens those
     positions predict). Padded: [B, P + R] inputs and the last R + 1 .. 2 columns (keep = response_mask); packed

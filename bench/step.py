@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from comm import init_distributed  # noqa: E402
 from perf import model_flops, model_shape, peak_flops  # noqa: E402
 from config import Config, with_task_values  # noqa: E402
-from ppo import TorchrunController, load_task, make_run, prompt_indices, rl_step, warm_start_and_task_files  # noqa: E402
+from ppo import Run, TorchrunController, load_task, prompt_indices, rl_step, warm_start_and_task_files  # noqa: E402
 from sft import SFTConfig  # noqa: E402
 from tiny import build_tiny_qwen2  # noqa: E402
 from sharding import DTYPES  # noqa: E402
@@ -152,12 +152,12 @@ def measure(size: str, dtype: str, bench: BenchConfig) -> dict:
         mode_cfg = replace(cfg, old_log_probs=mode, model_path=model_path)
         actor = ActorWorker(mode_cfg, model_path, dist)
         task = load_task(mode_cfg, model_path, train_files, val_files, 1)
-        run = make_run(mode_cfg, task, actor, None, TorchrunController(dist))
+        run = Run(mode_cfg, task, actor, None, TorchrunController(dist))
         out["params"] = sum(p.numel() for p in actor.model.parameters())
         shape, peak = model_shape(actor.model), peak_flops(dist.device, DTYPES[dtype])
         times, mfu = {}, {}
         for step in range(1, bench.steps + 2):
-            rows = [run.train_ds[i] for i in prompt_indices(step, mode_cfg, len(run.train_ds))]
+            rows = [run.task.train_ds[i] for i in prompt_indices(step, mode_cfg, len(run.task.train_ds))]
             metrics, batch, _ = rl_step(step, rows, run, 0.0)
             if step > 1:  # the first step warms up
                 for phase in PHASES:

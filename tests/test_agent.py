@@ -17,12 +17,13 @@ import torch
 from dist_batching import capture_gradients, with_rl_fields
 
 from agent import AgentConfig, AgentLoop, load_tools, parse_call, run_calls
+from batching import response_lengths
 from comm import init_distributed
 from config import Config
 from conftest import toy_config
 from data import tokenize_prompt
 from ppo import TorchrunController, repad
-from workers import ActorWorker, pad_batch, response_lengths
+from workers import ActorWorker, pad_batch
 
 QUESTIONS = ["1+2=", "33-4=", "7+8=", "9-9=", "12+34=", "5-1="]
 
