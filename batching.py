@@ -32,9 +32,7 @@ from tensordict import TensorDict
 
 from comm import Dist, all_max
 
-# ---------------------------------------------------------------------------------------------------
-# Partitioning: Karmarkar-Karp and workloads
-# ---------------------------------------------------------------------------------------------------
+# ---- Partitioning: Karmarkar-Karp and workloads ---------------------------------------------------
 
 
 def karmarkar_karp(workloads: list[float], k: int, equal_size: bool) -> list[list[int]]:
@@ -107,9 +105,7 @@ def flops_workload(seqlens: torch.Tensor, hidden_size: int) -> torch.Tensor:
     return L * (12 * hidden_size + L)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Balanced DP ranks
-# ---------------------------------------------------------------------------------------------------
+# ---- Balanced DP ranks ----------------------------------------------------------------------------
 
 
 def _all_gather(t: torch.Tensor, dist: Dist) -> torch.Tensor:
@@ -194,9 +190,7 @@ def balance_whole(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Ten
     return batch[torch.cat([_unit_rows(units, unit) for units in rank_units])], metrics
 
 
-# ---------------------------------------------------------------------------------------------------
-# Token-budget micro-batches
-# ---------------------------------------------------------------------------------------------------
+# ---- Token-budget micro-batches -------------------------------------------------------------------
 
 
 def split_by_tokens(seqlens: list[int], max_tokens: int, min_count: int = 1) -> list[list[int]]:
@@ -232,9 +226,7 @@ def micro_batches(seqlens: torch.Tensor, max_tokens: int, dist: Dist) -> list[li
         micro_rows = split_by_tokens(lengths, max_tokens, min_count=int(most))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Padding, and removing it: packing and unpacking
-# ---------------------------------------------------------------------------------------------------
+# ---- Padding, and removing it: packing and unpacking ----------------------------------------------
 
 
 def pad(rows: list[list], value, width: int | None = None, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

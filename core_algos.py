@@ -26,9 +26,7 @@ KLKind = Literal["k1", "k2", "k3", "low_var_kl", "mse", "abs", "k1+", "k3+", "lo
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 AllSum = Callable[[torch.Tensor], torch.Tensor] | None  # sums a tensor over the data shards; None: one holds all
 
-# ---------------------------------------------------------------------------------------------------
-# Losses: all take [B, R] tensors over response tokens and a response mask
-# ---------------------------------------------------------------------------------------------------
+# ---- Losses: all take [B, R] tensors over response tokens and a response mask ---------------------
 
 
 def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -181,9 +179,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torc
     raise ValueError(f"unknown kl_loss_type {kind!r}")
 
 
-# ---------------------------------------------------------------------------------------------------
-# Token log-probs and entropy: the one function that computes them from logits (trainer, HF rollout, probes)
-# ---------------------------------------------------------------------------------------------------
+# ---- Token log-probs and entropy: the one function that computes them from logits (trainer, HF rollout, probes) ----
 
 LOGITS_CHUNK_BYTES = 128 << 20  # float32 logits of one chunk of rows in head_log_probs
 
@@ -231,9 +227,7 @@ def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return torch.cat(logps), torch.cat(entropies) if with_entropy else None
 
 
-# ---------------------------------------------------------------------------------------------------
-# Token rewards and the in-reward KL penalty
-# ---------------------------------------------------------------------------------------------------
+# ---- Token rewards and the in-reward KL penalty ---------------------------------------------------
 
 
 def _sum(stats: list[float], all_sum: AllSum) -> list[float]:
@@ -273,9 +267,7 @@ def update_kl_coef(coef: float, kl: float, n_steps: int, ctrl_type: str, target:
     return coef * (1.0 + error * n_steps / horizon)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Advantages: each estimator returns (advantages, returns) [B, R]
-# ---------------------------------------------------------------------------------------------------
+# ---- Advantages: each estimator returns (advantages, returns) [B, R] ------------------------------
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_sum: AllSum = None, eps: float = 1e-8) -> torch.Tensor:

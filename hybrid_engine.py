@@ -172,9 +172,7 @@ class HybridEngine:
         return gap
 
 
-# ---------------------------------------------------------------------------------------------------
-# Verification of a sync (here and in the rollout pool, ray_trainer.py)
-# ---------------------------------------------------------------------------------------------------
+# ---- Verification of a sync (here and in the rollout pool, ray_trainer.py) ------------------------
 
 
 def probe_tokens(vocab_size: int, probe_len: int) -> torch.Tensor:

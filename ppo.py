@@ -47,9 +47,7 @@ from tracking import Tracking, batch_metrics, plot_curves, run_summary, step_war
 from watchdog import watch_ranks
 from workers import ActorWorker, CriticWorker, batch_widths, repadded
 
-# ---------------------------------------------------------------------------------------------------
-# The controller: how the step's batch relates to the data-parallel ranks
-# ---------------------------------------------------------------------------------------------------
+# ---- The controller: how the step's batch relates to the data-parallel ranks ----------------------
 
 
 class TorchrunController:
@@ -138,9 +136,7 @@ def weights_version(step: int, cfg: Config) -> int:
     return max(0, step - 1 - cfg.critic_warmup)
 
 
-# ---------------------------------------------------------------------------------------------------
-# One RL step
-# ---------------------------------------------------------------------------------------------------
+# ---- One RL step ----------------------------------------------------------------------------------
 
 
 def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict, TensorDict, float]:
@@ -233,9 +229,7 @@ def overhead_share(metrics: dict, pool: bool) -> float:
     return max(0.0, 1.0 - inside / metrics["timing_s/step"])
 
 
-# ---------------------------------------------------------------------------------------------------
-# Rewards, evaluation, metrics
-# ---------------------------------------------------------------------------------------------------
+# ---- Rewards, evaluation, metrics -----------------------------------------------------------------
 
 
 def seeds_of(step: int, rows: list[dict], cfg: Config, seed_offset: int = 0) -> list[int]:
@@ -373,9 +367,7 @@ def evaluate(run: Run) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-# Setup, checkpoints, the loop
-# ---------------------------------------------------------------------------------------------------
+# ---- Setup, checkpoints, the loop -----------------------------------------------------------------
 
 
 def warm_start_and_task_files(cfg: Config, dist: Dist) -> tuple[str, str, str]:

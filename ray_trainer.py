@@ -117,9 +117,7 @@ class RayTrainerConfig:
     """The controller's own settings."""
 
 
-# ---------------------------------------------------------------------------------------------------
-# The worker side: one Ray actor a device, holding its roles' workers
-# ---------------------------------------------------------------------------------------------------
+# ---- The worker side: one Ray actor a device, holding its roles' workers --------------------------
 
 
 class WorkerHost:
@@ -175,9 +173,7 @@ class WorkerHost:
         shutdown(self.dist)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The driver side: worker groups, their calls, and the controller the step runs with
-# ---------------------------------------------------------------------------------------------------
+# ---- The driver side: worker groups, their calls, and the controller the step runs with -----------
 
 
 class WorkerFailure(Exception):
@@ -376,9 +372,7 @@ class Driver:
         """Nothing to wait for: every worker-group call returns when all its ranks are done."""
 
 
-# ---------------------------------------------------------------------------------------------------
-# Pools, groups and the restarting run
-# ---------------------------------------------------------------------------------------------------
+# ---- Pools, groups and the restarting run ---------------------------------------------------------
 
 
 @dataclass
@@ -442,9 +436,7 @@ def stop_groups(groups: Groups | None, clean: bool) -> None:
         remove_placement_group(pool)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The rollout pool: generation-only engines of their own, and one-step-off
-# ---------------------------------------------------------------------------------------------------
+# ---- The rollout pool: generation-only engines of their own, and one-step-off ---------------------
 
 
 class Scorer:

@@ -142,9 +142,7 @@ def placed(inside: torch.device | str, after: torch.device | str, models=(), opt
             move(after)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Loading and sharding
-# ---------------------------------------------------------------------------------------------------
+# ---- Loading and sharding -------------------------------------------------------------------------
 
 
 def adapted(model: torch.nn.Module, lora: tuple[int, float, str] | None) -> torch.nn.Module:
@@ -245,9 +243,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return norm.item()
 
 
-# ---------------------------------------------------------------------------------------------------
-# Full weights, bucket by bucket (the hybrid engine's weight sync)
-# ---------------------------------------------------------------------------------------------------
+# ---- Full weights, bucket by bucket (the hybrid engine's weight sync) -----------------------------
 
 
 def cast_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -353,9 +349,7 @@ def full_weights(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype |
         yield [(n, full_tensor(t, dtype)) for n, t in bucket]
 
 
-# ---------------------------------------------------------------------------------------------------
-# Checkpoints (DCP: sharded, resharding on load) and HF export
-# ---------------------------------------------------------------------------------------------------
+# ---- Checkpoints (DCP: sharded, resharding on load) and HF export ---------------------------------
 
 
 TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)  # frozen weights: not in a checkpoint

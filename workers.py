@@ -43,9 +43,7 @@ from sharding import (DTYPES, cast_dtype, clip_grad_norm, export_hf, full_weight
                       move_model, placed, save_sharded, weight_buckets)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The batch and the forward passes over it
-# ---------------------------------------------------------------------------------------------------
+# ---- The batch and the forward passes over it -----------------------------------------------------
 
 
 def pad_batch(prompts: list[list[int]], responses: list[list[int]], rollout_logps: list[list[float]], pad_id: int,
@@ -162,9 +160,7 @@ def response_values(model, batch: TensorDict, remove_padding: bool = False) -> t
     return unpack(values[0, positions], keep) if remove_padding else unpack(values[:, positions][keep], keep)
 
 
-# ---------------------------------------------------------------------------------------------------
-# What the actor and the critic share
-# ---------------------------------------------------------------------------------------------------
+# ---- What the actor and the critic share ----------------------------------------------------------
 
 
 class Worker:
@@ -388,9 +384,7 @@ class Worker:
             export_hf(self.model, self.tokenizer, out_dir, self.dist)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The actor and the critic
-# ---------------------------------------------------------------------------------------------------
+# ---- The actor and the critic ---------------------------------------------------------------------
 
 
 class ActorWorker(Worker):
@@ -607,9 +601,7 @@ class CriticWorker(Worker):
         """Nothing to release (no engine)."""
 
 
-# ---------------------------------------------------------------------------------------------------
-# A rollout pool's engine
-# ---------------------------------------------------------------------------------------------------
+# ---- A rollout pool's engine ----------------------------------------------------------------------
 
 
 def engine_args(cfg: Config, device: torch.device) -> dict:
