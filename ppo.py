@@ -15,8 +15,8 @@ One RL step (rl_step), as verl (HybridFlow) does it:
 The step is written once, against the workers' methods (workers.py) and a controller (how the step's batch
 relates to the data-parallel ranks). Under torchrun (`TorchrunController`) every rank runs the loop on its own
 shard of the prompts; the single controller (ray_trainer.py's Driver) runs the same step and loop once, on the
-whole batch, with worker groups in place of the workers. The algorithm math is in core_algos.py; PPO's own part is the critic
-(GAE, the value loss), the clipped surrogate and the KL controller, chosen by Config's fields.
+whole batch, with worker groups in place of the workers. The algorithm math is in core_algos.py; PPO's own part is
+the critic (GAE, the value loss), the clipped surrogate and the KL controller, chosen by Config's fields.
 """
 
 import json
@@ -206,11 +206,11 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
         for update_metrics in controller.run_all(updates, batch, metrics).values():
             metrics.update(update_metrics)
 
-        # ==================== 6. a rollout pool of its own takes the new weights, starts the next batches ====================
+        # ==================== 6. a rollout pool of its own takes the new weights, starts the next batches ====
         if run.pool:
             feed_pool(step, run, metrics)
 
-    # ==================== 7. what the step cost: per-phase memory, MFU (in the updates' metrics), the all-reduce probe ====
+    # ==================== 7. what the step cost: memory per phase, MFU (in the updates' metrics), all-reduce probe
     for worker in filter(None, (actor, critic)):
         metrics.update(worker.perf())  # a collective (the probe)
     metrics["perf/overhead_share"] = overhead_share(metrics, run.pool is not None)
