@@ -10,11 +10,11 @@ This file splits, packs, unpacks and balances; it knows nothing about RL. The AP
     subsets = karmarkar_karp(workloads, k, equal_size=True)    # k lists of indices with similar workload sums
     batch, metrics = balance_ranks(batch, seqlens, workloads, dist, unit=n)   # rows re-dealt across dp ranks
     batch, metrics = balance_whole(batch, seqlens, workloads, k, unit=n)      # the same, one process holding all
-    micro_rows = micro_batches(seqlens, max_tokens, dist)      # index lists, <= max_tokens each, same count on all ranks
+    micro_rows = micro_batches(seqlens, max_tokens, dist)       # index lists <= max_tokens, as many on every rank
     ids, mask = pad(token_lists, pad_id, left=True)             # [B, T] each: the one way a batch is padded
     lengths = response_lengths(batch)                           # [B]: from the attention, a tool's tokens included
     packed = pack(input_ids, attention_mask)                    # [b, T] -> one row [1, N], position_ids restart
-    keep = (packed.flat_index[:, -R - 1 : -1] >= 0) & response_mask  # [b, R]: the positions that predict response tokens
+    keep = (packed.flat_index[:, -R - 1 : -1] >= 0) & response_mask  # [b, R]: positions that predict response tokens
     values = unpack(per_token[packed.flat_index[keep]], keep)        # [N, ...] -> [b, R, ...], 0 at padding
     packing_works(model)                                        # does the attention keep packed sequences apart?
 
@@ -37,42 +37,38 @@ from comm import Dist, all_max
 
 def karmarkar_karp(workloads: list[float], k: int, equal_size: bool) -> list[list[int]]:
     """Indices of workloads in k subsets whose sums are close (equal_size: every subset gets len/k items).
-
     Karmarkar & Karp 1982, "largest differencing method", k-way form (as in verl's get_seqlen_balanced_partitions):
     every state is k subsets; repeatedly take the two states with the largest spread (max sum - min sum) and merge
-    them, the heaviest part of one with the lightest of the other, so their differences cancel.
-    """
+    them, the heaviest part of one with the lightest of the other, so their differences cancel."""
     if equal_size and len(workloads) % k:
         raise ValueError(f"{len(workloads)} items cannot go to {k} subsets of equal size")
     order = sorted(range(len(workloads)), key=lambda i: workloads[i])
     # equal size: states of k consecutive items (in sorted order), one per part; merges keep the counts equal.
     # otherwise: one state per item, the item in one part and k - 1 empty subsets.
     seeds = [order[i : i + k] for i in range(0, len(order), k)] if equal_size else [[i] for i in order]
-    heap = []
-    for tie, items in enumerate(seeds):
-        subsets = [(workloads[i], [i]) for i in items] + [(0.0, []) for _ in range(k - len(items))]
-        subsets.sort(key=lambda p: -p[0])
-        heap.append((-(subsets[0][0] - subsets[-1][0]), tie, subsets))  # heapq is a min-heap: negated spread
+
+    def state(tie: int, subsets: list) -> tuple:  # subsets sorted heaviest first; heapq is a min-heap: negated spread
+        subsets = sorted(subsets, key=lambda p: -p[0])
+        return -(subsets[0][0] - subsets[-1][0]), tie, subsets
+
+    heap = [state(tie, [(workloads[i], [i]) for i in items] + [(0.0, []) for _ in range(k - len(items))])
+            for tie, items in enumerate(seeds)]
     heapq.heapify(heap)
     tie = len(heap)
     while len(heap) > 1:
-        _, _, a = heapq.heappop(heap)
-        _, _, b = heapq.heappop(heap)
+        (_, _, a), (_, _, b) = heapq.heappop(heap), heapq.heappop(heap)
         # a is sorted heaviest first, b lightest first (reversed): pair them up
-        merged = sorted(((wa + wb, ia + ib) for (wa, ia), (wb, ib) in zip(a, reversed(b))), key=lambda p: -p[0])
-        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
+        heapq.heappush(heap, state(tie, [(wa + wb, ia + ib) for (wa, ia), (wb, ib) in zip(a, reversed(b))]))
         tie += 1
     subsets = [items for _, items in heap[0][2]] if heap else [[] for _ in range(k)]
     return [sorted(p) for p in _swap_pass(workloads, subsets)]
 
 
 def _swap_pass(workloads: list[float], subsets: list[list[int]]) -> list[list[int]]:
-    """Local search after KK: the heaviest and the lightest part trade one item each while that narrows their gap.
-
-    The equal-size KK above can leave one very long sequence's part too heavy (its seeds pair items of similar
-    size); a swap of items h > l moves h - l, and any 0 < h - l < gap lowers the sum of squared part sums, so
-    the pass ends. It keeps every part's count.
-    """
+    """Local search after KK: the heaviest and the lightest part trade one item each while that narrows their gap. The
+    equal-size KK above can leave one very long sequence's part too heavy (its seeds pair items of similar size); a swap
+    of items h > l moves h - l, and any 0 < h - l < gap lowers the sum of squared part sums, so the pass ends. It keeps
+    every part's count."""
     while True:
         sums = [sum(workloads[i] for i in p) for p in subsets]
         hi, lo = max(range(len(subsets)), key=sums.__getitem__), min(range(len(subsets)), key=sums.__getitem__)
@@ -95,12 +91,10 @@ def _swap_pass(workloads: list[float], subsets: list[list[int]]) -> list[list[in
 
 
 def flops_workload(seqlens: torch.Tensor, hidden_size: int) -> torch.Tensor:
-    """A sequence's forward FLOPs up to a constant factor, from its length [B] -> [B].
-
-    A dense decoder layer spends ~24 h^2 FLOPs per token in its matmuls (12 h^2 parameters, 2 FLOPs each,
-    Kaplan et al. 2020) and ~2 h L per token in causal attention (QK^T and AV over L/2 keys on average):
-    per sequence 24 h^2 L + 2 h L^2, i.e. proportional to L (12 h + L).
-    """
+    """A sequence's forward FLOPs up to a constant factor, from its length [B] -> [B]. A dense decoder layer spends
+    ~24 h^2 FLOPs per token in its matmuls (12 h^2 parameters, 2 FLOPs each, Kaplan et al. 2020) and ~2 h L per token
+    in causal attention (QK^T and AV over L/2 keys on average): per sequence 24 h^2 L + 2 h L^2, i.e. proportional to
+    L (12 h + L)."""
     L = seqlens.double()
     return L * (12 * hidden_size + L)
 
@@ -109,10 +103,8 @@ def flops_workload(seqlens: torch.Tensor, hidden_size: int) -> torch.Tensor:
 
 
 def _all_gather(t: torch.Tensor, dist: Dist) -> torch.Tensor:
-    """Every dp rank's t, stacked along dim 0 in rank order; t must have the same shape on every rank.
-
-    Sent from dist.device (NCCL moves only GPU tensors) and returned where t was.
-    """
+    """Every dp rank's t (the same shape on every rank), stacked along dim 0 in rank order; sent from dist.device
+    (NCCL moves only GPU tensors) and returned where t was."""
     out = [torch.empty_like(t, device=dist.device) for _ in range(dist.dp_size)]
     tdist.all_gather(out, t.to(dist.device).contiguous(), group=dist.mesh["dp"].get_group())
     return torch.cat(out).to(t.device)
@@ -123,9 +115,12 @@ def _spread(prefix: str, sums: list[float]) -> dict:
             f"global_seqlen/{prefix}minmax_diff": max(sums) - min(sums)}
 
 
-def balanced_units(unit_work: torch.Tensor, unit_len: torch.Tensor, k: int) -> tuple[list[list[int]], dict]:
-    """Units (consecutive rows that move together) of the whole batch, rank-major, dealt to k ranks by workload:
-    (each rank's unit indices, sorted; verl's global_seqlen metrics of the contiguous split and of the balanced one)."""
+def balanced_units(workloads: torch.Tensor, seqlens: torch.Tensor, unit: int, k: int,
+                   gather=lambda t: t) -> tuple[list[list[int]], dict]:
+    """Units (`unit` consecutive rows that move together) of the whole batch, rank-major, dealt to k ranks by workload:
+    (each rank's unit indices, sorted; verl's global_seqlen metrics of the contiguous split and of the balanced one).
+    gather: this process's per-unit sums -> the whole batch's, rank-major (the identity: it holds the whole batch)."""
+    unit_work, unit_len = (gather(x.double().view(-1, unit).sum(-1)) for x in (workloads, seqlens))  # [all units]
     rank_units = karmarkar_karp(unit_work.tolist(), k, equal_size=True)
     before = unit_len.view(k, -1).sum(-1).tolist()  # the contiguous split: what each rank held
     after = [unit_len[p].sum().item() for p in rank_units]
@@ -138,23 +133,18 @@ def _unit_rows(units: list[int], unit: int) -> torch.Tensor:
 
 def balance_ranks(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Tensor, dist: Dist,
                   unit: int = 1) -> tuple[TensorDict, dict]:
-    """Re-deal the rows of all dp ranks so that every rank gets the same number of rows and similar work.
-
-    batch holds this rank's rows (the same shapes on every rank); seqlens [B] and workloads [B] are per row.
-    Rows move in units of `unit` consecutive rows (e.g. a prompt's n samples stay together and in order).
-    Returns this rank's new rows, in their global order, and the global_seqlen metrics (tokens per rank).
-    Collectives: two all-gathers of the units' sums, then each row goes only to the rank that takes it (one
-    all-to-all per dtype). One process: the batch as it is.
-    """
+    """Re-deal the rows of all dp ranks so that every rank gets the same number of rows and similar work. batch holds
+    this rank's rows (the same shapes on every rank); seqlens [B] and workloads [B] are per row. Rows move in units of
+    `unit` consecutive rows (e.g. a prompt's n samples stay together and in order). Returns this rank's new rows, in
+    their global order, and the global_seqlen metrics (tokens per rank). Collectives: two all-gathers of the units'
+    sums, then _exchange (each row goes only to the rank that takes it). One process: the batch as it is."""
     B = batch.batch_size[0]
     if B % unit:
         raise ValueError(f"{B} rows do not split into units of {unit}")
     if dist.mesh is None:
         total = seqlens.sum().item()
         return batch, {**_spread("", [total]), **_spread("balanced_", [total])}
-    unit_work = _all_gather(workloads.double().view(-1, unit).sum(-1), dist)  # [dp * B / unit], rank-major
-    unit_len = _all_gather(seqlens.double().view(-1, unit).sum(-1), dist)  # [dp * B / unit]
-    ranks_units, metrics = balanced_units(unit_work, unit_len, dist.dp_size)
+    ranks_units, metrics = balanced_units(workloads, seqlens, unit, dist.dp_size, lambda t: _all_gather(t, dist))
     mine = range(dist.dp_rank * (B // unit), (dist.dp_rank + 1) * (B // unit))  # my units' global indices
     outgoing = [[u - mine.start for u in units if u in mine] for units in ranks_units]  # my units, per destination
     receives = [sum(u // (B // unit) == src for u in ranks_units[dist.dp_rank]) * unit for src in range(dist.dp_size)]
@@ -184,9 +174,7 @@ def balance_whole(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Ten
                   unit: int = 1) -> tuple[TensorDict, dict]:
     """balance_ranks for a process that holds the whole batch (a single controller): the rows reordered so that
     its contiguous split into k equal chunks gives each of k ranks what balance_ranks would give it."""
-    unit_work = workloads.double().view(-1, unit).sum(-1)  # [B / unit]
-    unit_len = seqlens.double().view(-1, unit).sum(-1)  # [B / unit]
-    rank_units, metrics = balanced_units(unit_work, unit_len, k)
+    rank_units, metrics = balanced_units(workloads, seqlens, unit, k)
     return batch[torch.cat([_unit_rows(units, unit) for units in rank_units])], metrics
 
 
@@ -194,12 +182,10 @@ def balance_whole(batch: TensorDict, seqlens: torch.Tensor, workloads: torch.Ten
 
 
 def split_by_tokens(seqlens: list[int], max_tokens: int, min_count: int = 1) -> list[list[int]]:
-    """Index lists (at least min_count of them) whose token sums stay within max_tokens.
-
-    A sequence longer than max_tokens gets a micro-batch of its own. Karmarkar-Karp into k micro_rows, k from the
-    fewest that could hold the tokens upwards, until every part fits: balanced micro_rows, so the dp ranks that run
-    micro-batch i at the same time (FSDP's collectives) wait little for each other.
-    """
+    """Index lists (at least min_count of them) whose token sums stay within max_tokens. A sequence longer than
+    max_tokens gets a micro-batch of its own. Karmarkar-Karp into k micro_rows, k from the fewest that could hold the
+    tokens upwards, until every part fits: balanced micro_rows, so the dp ranks that run micro-batch i at the same time
+    (FSDP's collectives) wait little for each other."""
     if not 1 <= min_count <= max(1, len(seqlens)):
         raise ValueError(f"min_count={min_count} micro-batches for {len(seqlens)} sequences")
     k = max(min_count, math.ceil(sum(seqlens) / max_tokens))
@@ -212,11 +198,9 @@ def split_by_tokens(seqlens: list[int], max_tokens: int, min_count: int = 1) -> 
 
 
 def micro_batches(seqlens: torch.Tensor, max_tokens: int, dist: Dist) -> list[list[int]]:
-    """Index lists of seqlens [B] within max_tokens each (a longer sequence alone), as many on every dp rank.
-
-    Every dp rank gets the same number of micro-batches (FSDP's all-gathers run once per forward, on every
-    rank): the ranks agree on the largest count, and a rank that needs fewer splits further.
-    """
+    """Index lists of seqlens [B] within max_tokens each (a longer sequence alone), as many on every dp rank (FSDP's
+    all-gathers run once per forward, on every rank): the ranks agree on the largest count, a rank below it splits
+    further."""
     lengths = seqlens.tolist()
     micro_rows = split_by_tokens(lengths, max_tokens)
     while True:
@@ -266,10 +250,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
 
 def unpack(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Per-token outputs [n, ...] of the positions where keep [b, t] is True back to a padded [b, t, ...] (0 elsewhere).
-
-    The caller picks the packed rows first, x = out[packed.flat_index[keep]], e.g. keep = the positions that predict a
-    response token ((packed.flat_index[:, -R - 1 : -1] >= 0) & response_mask): V-wide logits are computed for those only.
-    """
+    The caller picks the packed rows first (x = out[packed.flat_index[keep]], as in the module docstring), so V-wide
+    logits are computed for the kept positions only."""
     out = x.new_zeros(*keep.shape, *x.shape[1:])  # [b, t, ...]
     out[keep] = x
     return out
@@ -277,13 +259,11 @@ def unpack(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def packing_works(model) -> bool:
-    """True when the model's attention keeps packed sequences apart (a block-diagonal causal mask).
-
-    transformers 5.x builds that mask from position_ids that restart (masking_utils.find_packed_sequence_indices,
-    for sdpa, eager and flex; flash-attention varlen reads cu_seqlens from them) but only with attention_mask=None
-    and no KV cache; a custom attention function may ignore it. Found out, not assumed: a packed row [a, b] and
-    one [a', b] must give the second sequence the very same logits.
-    """
+    """True when the model's attention keeps packed sequences apart (a block-diagonal causal mask). transformers 5.x
+    builds that mask from position_ids that restart (masking_utils.find_packed_sequence_indices, for sdpa, eager and
+    flex; flash-attention varlen reads cu_seqlens from them) but only with attention_mask=None and no KV cache; a custom
+    attention function may ignore it. Found out, not assumed: a packed row [a, b] and one [a', b] must give the second
+    sequence the very same logits."""
     g = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
     a, a2 = torch.randint(0, model.config.vocab_size, (2, 7), generator=g)

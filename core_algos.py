@@ -41,14 +41,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def agg_loss(loss_mat, mask, mode: AggMode, n_tokens=None, n_seqs=None, norm_len=None, dp_size=1) -> torch.Tensor:
     """Reduce token losses [B, R] to a scalar.
 
-    n_tokens / n_seqs are the counts of the whole mini-batch: when a mini-batch is split into
-    micro-batches, each micro-batch divides by the mini-batch's counts, so the summed gradients equal
-    the mini-batch's gradient in every mode. A sequence counts when it has a response token (a fully masked
-    one, e.g. a truncated response with its loss masked, weighs nothing). norm_len is Dr.GRPO's constant length
-    (default R). Masked positions never count, even holding a NaN or inf. token-sum (DAPO's variant without a
-    normaliser) sums the tokens of the whole mini-batch: each of dp_size ranks returns its sum times dp_size, which
-    FSDP's gradient averaging turns back into the sum over all ranks.
-    """
+    n_tokens / n_seqs are the counts of the whole mini-batch: when a mini-batch is split into micro-batches, each
+    micro-batch divides by the mini-batch's counts, so the summed gradients equal the mini-batch's gradient in every
+    mode. A sequence counts when it has a response token (a fully masked one, e.g. a truncated response with its loss
+    masked, weighs nothing). norm_len is Dr.GRPO's constant length (default R). Masked positions never count, even
+    holding a NaN or inf. token-sum (DAPO's variant without a normaliser) sums the tokens of the whole mini-batch: each
+    of dp_size ranks returns its sum times dp_size, which FSDP's gradient averaging turns back into the sum over all
+    ranks."""
     n_tokens = mask.sum() if n_tokens is None else n_tokens
     n_seqs = (mask.sum(-1) > 0).sum() if n_seqs is None else n_seqs
     norm_len = mask.shape[-1] if norm_len is None else norm_len
@@ -67,12 +66,10 @@ def agg_loss(loss_mat, mask, mode: AggMode, n_tokens=None, n_seqs=None, norm_len
 
 
 def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, clip_c, agg_mode, tis=None, **agg_kw):
-    """PPO clipped surrogate with dual-clip; returns (loss, metrics of clipping and approximate KL: 0-d tensors,
-    read once per mini-batch, so the update makes no host sync per micro-batch).
-
-    logp, old_logp, adv, mask: [B, R]. Clip-higher (DAPO) uses clip_high > clip_low. tis: per-token weights
-    [B, R] (tis_weights) multiplying the token losses, or None.
-    """
+    """PPO clipped surrogate with dual-clip; returns (loss, metrics of clipping and approximate KL: 0-d tensors, read
+    once per mini-batch, so the update makes no host sync per micro-batch). logp, old_logp, adv, mask: [B, R].
+    Clip-higher (DAPO) uses clip_high > clip_low. tis: per-token weights [B, R] (tis_weights) multiplying the token
+    losses, or None."""
     # the data at masked positions is zeroed first: a NaN there would reach the gradient (NaN * 0 is NaN)
     old_logp, adv = masked(old_logp, mask), masked(adv, mask)  # [B, R] each
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)  # [B, R], clamped so exp cannot overflow
@@ -85,11 +82,9 @@ def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, clip_c, agg_mode
     loss_mat = torch.where(adv < 0, loss_dual, loss_ppo)  # [B, R]
     if tis is not None:
         loss_mat = loss_mat * tis
-    metrics = {
-        "actor/pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).detach(),
-        "actor/pg_clipfrac_lower": masked_mean(((loss_ppo > -adv * clip_c) & (adv < 0)).float(), mask).detach(),
-        "actor/ppo_kl": masked_mean(-log_ratio, mask).detach(),
-    }
+    metrics = {"actor/pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).detach(),
+               "actor/pg_clipfrac_lower": masked_mean(((loss_ppo > -adv * clip_c) & (adv < 0)).float(), mask).detach(),
+               "actor/ppo_kl": masked_mean(-log_ratio, mask).detach()}
     return agg_loss(loss_mat, mask, agg_mode, **agg_kw), metrics
 
 
@@ -134,11 +129,9 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, facto
 
 
 def value_loss(values, old_values, returns, mask, clip, agg_mode, **agg_kw):
-    """The critic's clipped regression loss 0.5 * max((V - G)^2, (V_clip - G)^2); returns (loss, metrics).
-
-    values, old_values (at rollout), returns G, mask: [B, R]. V_clip stays within clip of the old value, so one
-    batch cannot drag a value far (value clipping of OpenAI baselines' PPO2; Engstrom et al. 2020 study it).
-    """
+    """The critic's clipped regression loss 0.5 * max((V - G)^2, (V_clip - G)^2); returns (loss, metrics). values,
+    old_values (at rollout), returns G, mask: [B, R]. V_clip stays within clip of the old value, so one batch cannot
+    drag a value far (value clipping of OpenAI baselines' PPO2; Engstrom et al. 2020 study it)."""
     old_values, returns = masked(old_values, mask), masked(returns, mask)  # as in policy_loss
     clipped = old_values + (values - old_values).clamp(-clip, clip)  # [B, R]
     loss_unclipped, loss_clipped = (values - returns).square(), (clipped - returns).square()  # [B, R] each
@@ -186,11 +179,10 @@ LOGITS_CHUNK_BYTES = 128 << 20  # float32 logits of one chunk of rows in head_lo
 
 def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                     with_entropy: bool = False, entropy_grad: bool = True):
-    """(log-prob [...] of targets [...] under softmax(logits [..., V] / temperature), its entropy [...] or None).
-
-    The log-prob makes one float32 [..., V] tensor (the scaled logits): it is the target's logit minus logsumexp, no
-    log-softmax. The entropy, logsumexp - sum p * logit, adds the softmax. entropy_grad=False: the entropy is a
-    metric, made without autograd, so backward keeps no softmax for it."""
+    """(log-prob [...] of targets [...] under softmax(logits [..., V] / temperature), its entropy [...] or None). The
+    log-prob makes one float32 [..., V] tensor (the scaled logits): it is the target's logit minus logsumexp, no
+    log-softmax. The entropy, logsumexp - sum p * logit, adds the softmax. entropy_grad=False: the entropy is a metric,
+    made without autograd, so backward keeps no softmax for it."""
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 up to fp32, fp64 stays
     if logits.dtype != dtype:  # the upcast is a tensor of our own: scale it in place
         logits = logits.to(dtype).div_(temperature)  # [..., V]
@@ -217,14 +209,10 @@ def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         return token_log_probs(logits, t, temperature, with_entropy, entropy_grad)
 
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))
-    logps, entropies = [], []
-    for h, t in zip(hidden.split(rows), targets.split(rows)):
-        # nothing random inside: no RNG state to save and replay
-        logp, entropy = (checkpoint(chunk, h, t, use_reentrant=False, preserve_rng_state=False)
-                         if torch.is_grad_enabled() else chunk(h, t))
-        logps.append(logp)
-        entropies.append(entropy)
-    return torch.cat(logps), torch.cat(entropies) if with_entropy else None
+    # nothing random inside: no RNG state to save and replay
+    out = [checkpoint(chunk, h, t, use_reentrant=False, preserve_rng_state=False) if torch.is_grad_enabled()
+           else chunk(h, t) for h, t in zip(hidden.split(rows), targets.split(rows))]  # [(logp [c], entropy [c])]
+    return torch.cat([logp for logp, _ in out]), torch.cat([e for _, e in out]) if with_entropy else None
 
 
 # ---- Token rewards and the in-reward KL penalty ---------------------------------------------------
@@ -239,9 +227,8 @@ def _sum(stats: list[float], all_sum: AllSum) -> list[float]:
 def on_last_token(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """x [B] placed on each row's last token of mask [B, R] (the model's last, after any tool's span), 0 elsewhere."""
     ranks = mask.bool() * torch.arange(1, mask.shape[1] + 1, device=mask.device)  # [B, R]: 1 + position where kept
-    last = ranks.argmax(-1)  # [B]
     out = torch.zeros_like(mask, dtype=x.dtype)  # [B, R]
-    out[torch.arange(len(x)), last] = torch.where(ranks.amax(-1) > 0, x, 0.0)
+    out[torch.arange(len(x)), ranks.argmax(-1)] = torch.where(ranks.amax(-1) > 0, x, 0.0)
     return out
 
 
@@ -256,11 +243,9 @@ def kl_in_reward(token_rewards, logp, ref_logp, mask, coef: float, kind: KLKind,
 
 
 def update_kl_coef(coef: float, kl: float, n_steps: int, ctrl_type: str, target: float, horizon: int) -> float:
-    """The in-reward KL coefficient after a batch of n_steps responses with mean KL kl (fixed: coef itself).
-
-    Adaptive (Ziegler et al. 2019): a proportional controller, error = kl / target - 1 clipped to +-0.2, so the
-    coefficient moves by at most 20% per horizon responses.
-    """
+    """The in-reward KL coefficient after a batch of n_steps responses with mean KL kl (fixed: coef itself). Adaptive
+    (Ziegler et al. 2019): a proportional controller, error = kl / target - 1 clipped to +-0.2, so the coefficient moves
+    by at most 20% per horizon responses."""
     if ctrl_type == "fixed":
         return coef
     error = min(max(kl / target - 1.0, -0.2), 0.2)
@@ -271,10 +256,8 @@ def update_kl_coef(coef: float, kl: float, n_steps: int, ctrl_type: str, target:
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_sum: AllSum = None, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the real tokens of the whole batch (0 at padding): [B, R]; unbiased var.
-
-    Two passes of summed statistics (count and sum, then squared deviations), so shards give the numbers of the
-    whole batch."""
+    """(x - mean) / std over the real tokens of the whole batch (0 at padding): [B, R]; unbiased var. Two passes of
+    summed statistics (count and sum, then squared deviations), so shards give the numbers of the whole batch."""
     n, total = _sum([mask.sum().item(), (x * mask).sum().item()], all_sum)
     mean = total / max(n, 1.0)
     (sq,) = _sum([((x - mean).square() * mask).sum().item()], all_sum)
@@ -312,11 +295,9 @@ def gae_advantages(token_rewards, values, mask, gamma: float, lam: float, all_su
 
 
 def group_advantages(scores: torch.Tensor, group: torch.Tensor, norm_by_std: bool, eps: float = 1e-6) -> torch.Tensor:
-    """Per-response advantage [B] from rewards [B] and group ids [B] (GRPO, Shao et al. 2024; Dr.GRPO without std).
-
-    A group whose rewards are all equal gets advantage 0 (nothing to prefer). A group of one response
-    keeps its raw reward, as verl does (mean 0, std 1). A prompt's group never spans data shards.
-    """
+    """Per-response advantage [B] from rewards [B] and group ids [B] (GRPO, Shao et al. 2024; Dr.GRPO without std). A
+    group whose rewards are all equal gets advantage 0 (nothing to prefer). A group of one response keeps its raw
+    reward, as verl does (mean 0, std 1). A prompt's group never spans data shards."""
     zeros = torch.zeros(int(group.max()) + 1, dtype=scores.dtype)  # [G], in the scores' dtype (float64 too)
     count = zeros.index_add(0, group, torch.ones_like(scores))  # [G]
     mean = zeros.index_add(0, group, scores) / count  # [G]
@@ -363,15 +344,14 @@ def compute_advantages(estimator: AdvEstimator, *, token_level_rewards, response
                        gamma: float = 1.0, lam: float = 1.0, norm_adv_by_std: bool = True, all_sum: AllSum = None):
     """(advantages, returns) [B, R] by the named estimator; inputs as the step's batch holds them: token rewards and
     the critic's values [B, R], scores and group ids [B]."""
-    mask = response_mask
     if estimator == "gae":
-        return gae_advantages(token_level_rewards, values, mask, gamma, lam, all_sum)
+        return gae_advantages(token_level_rewards, values, response_mask, gamma, lam, all_sum)
     if estimator == "grpo":
-        return grpo_advantages(scores, group, mask, norm_adv_by_std)
+        return grpo_advantages(scores, group, response_mask, norm_adv_by_std)
     if estimator == "rloo":
-        return rloo_advantages(scores, group, mask)
+        return rloo_advantages(scores, group, response_mask)
     if estimator == "reinforce_plus_plus":
-        return reinforce_pp_advantages(token_level_rewards, mask, gamma, all_sum)
+        return reinforce_pp_advantages(token_level_rewards, response_mask, gamma, all_sum)
     if estimator == "reinforce_plus_plus_baseline":
-        return reinforce_pp_advantages(token_level_rewards, mask, gamma, all_sum, scores, group)
+        return reinforce_pp_advantages(token_level_rewards, response_mask, gamma, all_sum, scores, group)
     raise ValueError(f"unknown adv_estimator {estimator!r}")

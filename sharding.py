@@ -208,18 +208,15 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
     adapters (lora.py), added before sharding; only they train."""
     cfg = cfg or FSDPConfig()
     config = config or AutoConfig.from_pretrained(model_path)
-    if dist.mesh is None:
+    if dist.mesh is None or dist.rank == 0:  # the adapters' initial values come from rank 0 too
         model = adapted(model_class.from_pretrained(model_path, config=config, dtype=torch.float32), lora)
-        model.to(dist.device)
-        compute_in(model, DTYPES[cfg.param_dtype])
-        return _set_trainable(model, trainable, gradient_checkpointing, lora)
-    if dist.rank == 0:  # the adapters' initial values come from rank 0 too
-        model = adapted(model_class.from_pretrained(model_path, config=config, dtype=torch.float32), lora)
-        full_state = model.state_dict()  # keeps the full tensors alive past fully_shard, which swaps in shards
     else:
         with torch.device("meta"):  # no memory, no init: the weights come from rank 0
             model = adapted(model_class.from_config(config, dtype=torch.float32), lora)
-        full_state = {}
+    if dist.mesh is None:
+        compute_in(model.to(dist.device), DTYPES[cfg.param_dtype])
+        return _set_trainable(model, trainable, gradient_checkpointing, lora)
+    full_state = model.state_dict() if dist.rank == 0 else {}  # full tensors, kept past fully_shard's swap to shards
     _shard(model, dist, cfg)  # the shards on the mesh's device, or (cpu_offload) in host memory
     if dist.rank != 0:  # shards where fully_shard would have put them; buffers, which FSDP leaves alone, on the device
         model.to_empty(device="cpu" if cfg.cpu_offload else dist.device)
@@ -238,9 +235,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     """Scale gradients to a global L2 norm of at most max_norm; the norm before clipping, as a float. Collective:
     clip_grad_norm_ reduces the norms of FSDP2's gradient shards across ranks (a replicated DTensor comes back)."""
     norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return norm.item()
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
 # ---- Full weights, bucket by bucket (the hybrid engine's weight sync) -----------------------------
@@ -314,9 +309,8 @@ def engine_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor | Mer
             continue
         if name.endswith(".base_layer.weight"):
             module = name[: -len(".base_layer.weight")]
-            scale = model.get_submodule(module).scaling["default"]
-            tensor = Merged(tensor, state[f"{module}.lora_A.default.weight"], state[f"{module}.lora_B.default.weight"],
-                            scale)
+            a, b = (state[f"{module}.lora_{ab}.default.weight"] for ab in "AB")
+            tensor = Merged(tensor, a, b, model.get_submodule(module).scaling["default"])
         out.append((name.replace(".base_layer.", "."), tensor))
     return out
 
@@ -495,10 +489,8 @@ def export_hf(model, tokenizer, out_dir: str, dist: Dist) -> None:
     LoRA: the merged weights under the plain model's names, and the adapter alone in out_dir/adapter (peft's
     layout). Collective (the gathers)."""
     adapters = {n: full_tensor(p, None).cpu() for n, p in model.named_parameters() if is_adapter(n)}
-    if adapters:
-        state = {name: full_tensor(t, None).cpu() for name, t in engine_weights(model)}
-    else:
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = ({name: full_tensor(t, None).cpu() for name, t in engine_weights(model)} if adapters
+             else get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     if dist.is_main:
         tmp = out_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
