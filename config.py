@@ -15,6 +15,7 @@ import tyro
 
 from agent import AgentConfig
 from core_algos import AdvEstimator, AggMode, KLKind
+from data.calculator import AGENT
 from hybrid_engine import HybridConfig
 from sharding import FSDPConfig, OffloadConfig
 from tracking import Backend
@@ -280,6 +281,10 @@ class Config:
             (">= 0", lambda v: v >= 0, ("ckpt_every", "lora_rank", "weight_decay", "kl_loss_coef")),
             ("in [0, 1]", lambda v: 0 <= v <= 1, ("gamma", "lam", "lr_warmup_steps_ratio", "min_lr_ratio")),
             ("in (0, 1]", lambda v: 0 < v <= 1, ("top_p", "gpu_memory_utilization")),
+            ("in (0, 1)", lambda v: 0 < v < 1, ("rollout_mask_low",)),
+            ("> 1", lambda v: v > 1, ("clip_ratio_c", "rollout_mask_high")),
+            (">= -1 (-1: lr_warmup_steps_ratio)", lambda v: v >= -1, ("lr_warmup_steps",)),
+            ("> 0 (None: off)", lambda v: v is None or v > 0, ("tis_cap",)),
         ):
             for name in names:
                 if not ok(getattr(self, name)):
@@ -287,15 +292,9 @@ class Config:
         if self.train_batch_size % self.ppo_mini_batch_size:
             raise ValueError(f"train_batch_size={self.train_batch_size} must be a multiple of "
                              f"ppo_mini_batch_size={self.ppo_mini_batch_size}")
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1")
-        if self.lr_warmup_steps < -1:
-            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} must be >= -1 (-1: lr_warmup_steps_ratio)")
         if self.agent.tools_path and self.rollout_tp > 1:
             raise ValueError(f"agent.tools_path with rollout_tp={self.rollout_tp}: the agent loop's turns differ per "
                              "rank, and a TP group generates together; use rollout_tp=1")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (None: off)")
         if self.old_log_probs == "rollout" and self.tis_cap is not None:
             raise ValueError("tis_cap corrects the gap between the engine's and the trainer's log-probs, which "
                              "old_log_probs='rollout' takes as zero: use 'recompute' or 'update'")
@@ -306,9 +305,6 @@ class Config:
         if self.rollout_mask and self.old_log_probs not in ("recompute", "auto"):
             raise ValueError(f"rollout_mask={self.rollout_mask!r} compares the old log-probs with the engine's before "
                              f"the update: it needs old_log_probs='recompute', not {self.old_log_probs!r}")
-        if not 0 < self.rollout_mask_low < 1 < self.rollout_mask_high:
-            raise ValueError(f"rollout_mask_low={self.rollout_mask_low} must be in (0, 1) and rollout_mask_high="
-                             f"{self.rollout_mask_high} above 1")
         if not 0 <= self.overlong_buffer_len <= self.max_response_length or self.overlong_penalty_factor < 0:
             raise ValueError(f"overlong_buffer_len={self.overlong_buffer_len} must be in [0, max_response_length="
                              f"{self.max_response_length}] and overlong_penalty_factor={self.overlong_penalty_factor} "
@@ -320,8 +316,8 @@ class Config:
         if not 0 <= self.critic_warmup < self.total_steps:
             raise ValueError(f"critic_warmup={self.critic_warmup} must be in [0, total_steps={self.total_steps}): "
                              "the actor trains only after it")
-        if self.hybrid.verify_sync and self.hybrid.probe_len >= self.max_prompt_length + self.max_response_length:
-            context = self.max_prompt_length + self.max_response_length
+        context = self.max_prompt_length + self.max_response_length
+        if self.hybrid.verify_sync and self.hybrid.probe_len >= context:
             raise ValueError(f"hybrid.probe_len={self.hybrid.probe_len} must be below the engine's context "
                              f"(max_prompt_length + max_response_length = {context})")
         if self.adv_estimator != "gae" and (self.critic_warmup or self.critic_model_path):
@@ -369,8 +365,6 @@ class Config:
 # --model-path applies them to every field it leaves at Config's default (verl's, for a real model).
 BUILTIN_TASK = dict(lr=2e-4, critic_lr=1e-3, max_prompt_length=32, max_response_length=8, train_batch_size=32,
                     ppo_mini_batch_size=8, ppo_micro_batch_size=64, log_prob_max_token_len_per_gpu=2048)
-
-
 TASK_VALUES = {"arith": BUILTIN_TASK, "calculator": dict(BUILTIN_TASK, max_response_length=32)}
 
 
@@ -378,8 +372,6 @@ def with_task_values(cfg: Config, is_main: bool = True) -> Config:
     """The config a run uses: without --model-path, TASK_VALUES for each field left at its default (printed once,
     is_main); the task's tools where agent.tools_path is None; out/grpo_calculator where out_dir is the default."""
     if cfg.task == "calculator" and cfg.agent.tools_path is None:
-        from data.calculator import AGENT
-
         cfg = replace(cfg, agent=replace(cfg.agent, **AGENT))
     if cfg.task != "arith" and cfg.out_dir in ("out/ppo", "out/grpo"):  # the entry points' own: a run of another
         cfg = replace(cfg, out_dir=f"{cfg.out_dir}_{cfg.task}")  # task does not meet the default run's folder
@@ -412,11 +404,10 @@ def check_paths(cfg) -> None:
         for path in split_files(getattr(cfg, name)):
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{name}: no such parquet file {path}")
-    if cfg.reward_fn_path is not None and not os.path.isfile(cfg.reward_fn_path):
-        raise FileNotFoundError(f"reward_fn_path={cfg.reward_fn_path}: no such file")
     tools = getattr(getattr(cfg, "agent", None), "tools_path", None)
-    if tools is not None and not os.path.isfile(tools):
-        raise FileNotFoundError(f"agent.tools_path={tools}: no such file")
+    for name, path in (("reward_fn_path", cfg.reward_fn_path), ("agent.tools_path", tools)):
+        if path is not None and not os.path.isfile(path):
+            raise FileNotFoundError(f"{name}={path}: no such file")
 
 
 def split_files(files: str | None) -> list[str]:

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 import tyro
 from batching import pad
 from config import check_paths, split_files
-from data import (RLDataset, default_compute_score, is_message, load_reward_fn, load_tokenizer, score_responses,
-                  tokenize_prompt)
+from data import (RLDataset, arith, calculator, default_compute_score, is_message, load_reward_fn, load_tokenizer,
+                  score_responses, tokenize_prompt)
 from fileio import sha256
 from tiny import build_byte_tokenizer, build_tiny_qwen2
 from tqdm import tqdm
@@ -110,16 +110,14 @@ class SFTConfig:
     """Built-in task: numbers per expression (see data/arith.py)."""
 
     def __post_init__(self):
-        for name in ("stop_accuracy", "teacher_slip"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for names, ok, rule in ((("stop_accuracy", "teacher_slip"), lambda v: 0 <= v <= 1, "in [0, 1]"),
+                                (("batch_size", "max_steps", "eval_every", "eval_size"), lambda v: v >= 1, ">= 1"),
+                                (("habit_steps",), lambda v: v >= 0, ">= 0 (0: no sloppy-teacher phase)")):
+            for name in names:
+                if not ok(getattr(self, name)):
+                    raise ValueError(f"{name}={getattr(self, name)} must be {rule}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
-        for name in ("batch_size", "max_steps", "eval_every", "eval_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.habit_steps < 0:
-            raise ValueError(f"habit_steps={self.habit_steps} must be >= 0 (0: no sloppy-teacher phase)")
         check_paths(self)
 
 
@@ -170,8 +168,7 @@ def read_sft_rows(files: str, prompt_key: str | None = None, response_key: str |
         pkey, rkey = sft_keys(rows[0], path, prompt_key, response_key)
         if (pkey, rkey) != (prompt_key, response_key):
             print(f"{path}: prompts from {pkey!r}, responses from {rkey!r}" + (" (its last turn)" * (rkey == MESSAGES)))
-        for i, row in enumerate(rows):
-            pairs.append(sft_pair(row, pkey, rkey, f"{path} row {i}"))
+        pairs += [sft_pair(row, pkey, rkey, f"{path} row {i}") for i, row in enumerate(rows)]
     return pairs
 
 
@@ -231,13 +228,11 @@ def sft_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
 def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, reward_fn=default_compute_score) -> float:
     """Mean reward of the greedy responses (HF generate) to rows (RLDataset items), scored as RL scores them."""
     model.eval()
-    prompts = [r["prompt_ids"] for r in rows]
-    input_ids, attention_mask = pad(prompts, tokenizer.pad_token_id, left=True)  # [B, T] each
+    input_ids, attention_mask = pad([r["prompt_ids"] for r in rows], tokenizer.pad_token_id, left=True)  # [B, T] each
     T = input_ids.shape[1]
-    out = model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-        max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # [B, T + new]
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)  # [B, T + new]
     texts = tokenizer.batch_decode(out[:, T:], skip_special_tokens=True)
     model.train()
     scores = score_responses(reward_fn, rows, texts)
@@ -326,8 +321,6 @@ def save_model(model, tokenizer, folder: str) -> None:
 
 def builtin_files(cfg: SFTConfig, root: str) -> tuple[str, str]:
     """The built-in task's train/val parquet (cfg.task), generated under root."""
-    from data import arith, calculator
-
     if cfg.task == "calculator":
         return calculator.write_parquet(calculator.CalculatorConfig(out_dir=os.path.join(root, "calculator")))
     return arith.write_parquet(arith.ArithConfig(out_dir=os.path.join(root, "arith"), digits=cfg.arith_digits,

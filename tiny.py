@@ -13,42 +13,31 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
 # One turn is <|role|>content<|end|>; generation starts after <|assistant|> and stops at <|end|> (the EOS).
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
 def build_byte_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer with no merges: one token per byte, so any text encodes.
-
-    It is a GPT-2/Qwen-style byte-level BPE with an empty merge list, so transformers' Qwen2Tokenizer
-    (which AutoTokenizer picks for a qwen2 model) and vLLM rebuild exactly the same tokenizer from it.
-    vocab_size: filler tokens (never produced by encoding) up to a real model's vocabulary, for benches at its shapes.
-    """
+    """One token per byte, so any text encodes: a GPT-2/Qwen-style byte-level BPE with an empty merge list, from which
+    transformers' Qwen2Tokenizer (AutoTokenizer's pick for a qwen2 model) and vLLM rebuild the very same tokenizer.
+    vocab_size: filler tokens (never encoded) up to a real model's vocabulary, for benches at its shapes."""
     tokens = SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet())
     tokens += [f"<|filler{i}|>" for i in range(len(tokens), vocab_size or 0)]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab, merges=[]))
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>", unk_token="<|unk|>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>",
+                                        unk_token="<|unk|>", additional_special_tokens=SPECIAL_TOKENS[3:])
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
 def build_tiny_qwen2(tokenizer, cfg) -> Qwen2ForCausalLM:
-    """A tiny Qwen2 from a config (no download); vLLM serves it like any Qwen2. cfg: an sft.SFTConfig (its
-    hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, and seed for the initialisation)."""
+    """A tiny Qwen2 (no download), shaped and seeded by cfg (an sft.SFTConfig); vLLM serves it as any Qwen2."""
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=512, tie_word_embeddings=True,
-        rope_theta=10000.0, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
-    )
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
     torch.manual_seed(cfg.seed)
     return Qwen2ForCausalLM(config)

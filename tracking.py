@@ -10,8 +10,6 @@ API:
     tracker = Tracking(("tensorboard", "wandb"), out_dir, project="nanoverl", name="grpo", config=asdict(cfg))
     tracker.log({"critic/score/mean": 0.5, ...}, step)   # numbers only; other values are skipped
     tracker.close()
-    plot_curves(records, "out/grpo/curves.png"); run_summary(records, out_dir, wall_s); step_warnings(record, previous)
-    batch_metrics(batch, max_response_length)            # a step's data metrics: rewards, advantages, lengths, tools
 """
 
 import math
@@ -20,6 +18,7 @@ from typing import Literal
 
 import torch
 from tensordict import TensorDict
+from tqdm import tqdm
 
 from batching import response_lengths
 from comm import Max, Min
@@ -27,6 +26,7 @@ from comm import Max, Min
 Backend = Literal["console", "tensorboard", "wandb"]
 CONSOLE = {"critic/score/mean": "reward", "val/accuracy": "acc", "actor/pg_loss": "pg_loss",
            "actor/entropy": "entropy", "response_length/mean": "len", "timing_s/step": "s"}  # name: short name
+TRUNCATED_WARN = 0.5  # a share of responses cut at max_response_length worth a word
 
 
 class Tracking:
@@ -40,8 +40,7 @@ class Tracking:
         if "wandb" in backends:
             import wandb
 
-            # no key: offline, in out_dir/wandb (`wandb sync` uploads it later); never a login prompt
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"  # never a login prompt
             self.wandb = wandb.init(project=project, name=name, dir=out_dir, config=config, mode=mode)
 
     def log(self, metrics: dict, step: int) -> None:
@@ -49,8 +48,6 @@ class Tracking:
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
         if "console" in self.backends:
             shown = " ".join(f"{short}={numbers[k]:.4g}" for k, short in CONSOLE.items() if k in numbers)
-            from tqdm import tqdm
-
             tqdm.write(f"step {step}: {shown}")  # above the progress bar, not through it
         if self.tb is not None:
             for k, v in numbers.items():
@@ -115,17 +112,13 @@ def run_summary(records: list[dict], out_dir: str, wall_s: float) -> dict:
             "best_val_accuracy": best["val/accuracy"], "best_step": best["step"], "best_checkpoint": folder}
 
 
-TRUNCATED_WARN = 0.5  # a share of responses cut at max_response_length worth a word
-
-
 def step_warnings(record: dict, previous: dict) -> list[str]:
     """What a person should see about one step, beside the progress bar: skipped optimizer steps and non-finite
     metrics whenever they happen; many truncated responses when the share first crosses TRUNCATED_WARN (again only
     after it fell back below)."""
-    step, out = record["step"], []
-    skipped = {k: v for k, v in record.items() if k.endswith("/skipped_steps") and v}
-    for key, n in skipped.items():
-        out.append(f"step {step}: {key.split('/')[0]} skipped {n:.0f} optimizer step(s): a non-finite gradient")
+    step = record["step"]
+    out = [f"step {step}: {key.split('/')[0]} skipped {n:.0f} optimizer step(s): a non-finite gradient"
+           for key, n in record.items() if key.endswith("/skipped_steps") and n]
     bad = sorted(k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v))
     if bad:
         out.append(f"step {step}: non-finite metrics: {', '.join(bad)}")
@@ -164,10 +157,6 @@ def batch_metrics(batch: TensorDict, max_response_length: int) -> dict:
         out.update({"tool_calls/mean": calls.mean().item(), "tool_calls/rate": (calls > 0).float().mean().item(),
                     "tool_errors/mean": batch["tool_errors"].float().mean().item(),
                     "response_length/observation_share": (1 - mask.sum() / lengths.sum().clamp(min=1)).item()})
-    return {
-        **out,
-        "response_length/mean": lengths.mean().item(),
-        "response_length/max": Max(lengths.max().item()),
-        "response_length/clip_ratio": (lengths >= max_response_length).float().mean().item(),
-        "prompt_length/mean": (batch["attention_mask"].sum(-1) - lengths).float().mean().item(),
-    }
+    return {**out, "response_length/mean": lengths.mean().item(), "response_length/max": Max(lengths.max().item()),
+            "response_length/clip_ratio": (lengths >= max_response_length).float().mean().item(),
+            "prompt_length/mean": (batch["attention_mask"].sum(-1) - lengths).float().mean().item()}

@@ -37,8 +37,7 @@ def read_rl_parquet(path: str) -> list[dict]:
     for column in REQUIRED_COLUMNS:
         if column not in table.column_names:
             raise ValueError(f"{path}: missing required column {column!r} (columns: {table.column_names})")
-    # to_pylist yields plain lists/dicts/str; pandas would hand back numpy arrays for list columns
-    rows = table.to_pylist()
+    rows = table.to_pylist()  # plain lists/dicts/str: pandas would hand back numpy arrays for list columns
     for index, row in enumerate(rows):
         _check_row(row, f"{path}, row {index}")
         row["extra_info"] = row.get("extra_info") or {}
@@ -66,9 +65,8 @@ def _check_row(row: dict, where: str) -> None:
         raise ValueError(f"{where}: field 'data_source' must be a string, got {row['data_source']!r:.200}")
     prompt = row["prompt"]
     if not isinstance(prompt, list) or not prompt or not all(is_message(m) for m in prompt):
-        raise ValueError(
-            f"{where}: field 'prompt' must be a non-empty list of {{'role': str, 'content': str}}, got {prompt!r:.200}"
-        )
+        raise ValueError(f"{where}: field 'prompt' must be a non-empty list of {{'role': str, 'content': str}}, "
+                         f"got {prompt!r:.200}")
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict) or not isinstance(reward_model.get("ground_truth"), str):
         raise ValueError(f"{where}: field 'reward_model' needs a string 'ground_truth', got {reward_model!r:.200}")
@@ -94,8 +92,7 @@ def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """Chat-template the messages (ending in the assistant turn) and return plain token ids."""
     # render then encode: apply_chat_template(tokenize=True) returns a dict in some transformers versions
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # the template already holds the special tokens it wants
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template holds its special tokens
 
 
 class RLDataset:
@@ -122,10 +119,8 @@ class RLDataset:
         if len(ids) <= self.max_prompt_length:
             return ids
         if not self.truncate:
-            raise ValueError(
-                f"{where}: prompt is {len(ids)} tokens, over max_prompt_length={self.max_prompt_length} "
-                "(raise the limit, or pass truncate=True to keep the last tokens)"
-            )
+            raise ValueError(f"{where}: prompt is {len(ids)} tokens, over max_prompt_length={self.max_prompt_length} "
+                             "(raise the limit, or pass truncate=True to keep the last tokens)")
         self.num_truncated += 1
         # keep the end, where the question and the generation prompt sit (verl's truncation="left")
         return ids[-self.max_prompt_length :]
@@ -137,9 +132,8 @@ class RLDataset:
         return {**self.items[i], "index": i}
 
 
-def default_compute_score(
-    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
-) -> float:
+def default_compute_score(data_source: str, solution_str: str, ground_truth: str,
+                          extra_info: dict | None = None) -> float:
     """Score one response with the built-in verifier for its data_source."""
     # imported here, not at the top: `python -m data.arith` imports this package first, and must not run arith twice
     from data import arith, calculator, gsm8k
@@ -147,10 +141,8 @@ def default_compute_score(
     scorers = {"arith": arith.compute_score, "calculator": calculator.compute_score,
                "openai/gsm8k": gsm8k.compute_score}
     if data_source not in scorers:
-        raise ValueError(
-            f"no built-in verifier for data_source {data_source!r} (known: {sorted(scorers)}); "
-            "pass a custom reward function file instead"
-        )
+        raise ValueError(f"no built-in verifier for data_source {data_source!r} (known: {sorted(scorers)}); "
+                         "pass a custom reward function file instead")
     return float(scorers[data_source](solution_str, ground_truth))
 
 

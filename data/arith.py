@@ -112,13 +112,9 @@ def to_row(problem: dict, split: str, index: int) -> dict:
 
 def make_splits(cfg: ArithConfig) -> tuple[list[dict], list[dict]]:
     """(train_rows, val_rows); no val expression appears in train."""
-    # 2s and 2s+1 never collide, whatever the base seed
-    val = make_problems(cfg, cfg.n_val, seed=2 * cfg.seed + 1)
+    val = make_problems(cfg, cfg.n_val, seed=2 * cfg.seed + 1)  # 2s and 2s+1 never collide, whatever the base seed
     train = make_problems(cfg, cfg.n_train, seed=2 * cfg.seed, exclude=frozenset(p["expression"] for p in val))
-    return (
-        [to_row(p, "train", i) for i, p in enumerate(train)],
-        [to_row(p, "val", i) for i, p in enumerate(val)],
-    )
+    return [to_row(p, "train", i) for i, p in enumerate(train)], [to_row(p, "val", i) for i, p in enumerate(val)]
 
 
 def write_parquet(cfg: ArithConfig) -> tuple[str, str]:
@@ -140,12 +136,9 @@ _INTEGER = re.compile(
 
 
 def compute_score(solution_str: str, ground_truth: str) -> float:
-    """1.0 if the last integer (_INTEGER) in solution_str equals ground_truth, else 0.0 (also when none): "the
-    answer is 46." scores 1.0 against "46", "1,234" equals 1234."""
+    """1.0 if the last integer (_INTEGER) in solution_str equals ground_truth ("1,234" is 1234), else 0.0."""
     found = _INTEGER.findall(solution_str)
-    if not found:
-        return 0.0
-    return 1.0 if int(found[-1].replace(",", "")) == int(ground_truth) else 0.0
+    return 1.0 if found and int(found[-1].replace(",", "")) == int(ground_truth) else 0.0
 
 
 if __name__ == "__main__":

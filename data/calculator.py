@@ -81,12 +81,11 @@ def make_rows(cfg: CalculatorConfig, n: int, seed: int, split: str, exclude: fro
     while len(rows) < n:
         a, b = rng.randrange(10, 1000), rng.randrange(100, 1000)
         expression = f"{a}*{b}"
-        if expression in exclude:
-            continue
-        trace = teacher_trace(expression, a * b, teacher.random() < cfg.teacher_call_rate)
-        rows.append(rl_row("calculator", expression + "=", str(a * b), {
-            "split": split, "index": len(rows), "expression": expression, "answer": str(a * b),
-            "tool_answer": teacher_trace(expression, a * b, True), "teacher_answer": trace}))
+        if expression not in exclude:
+            trace = teacher_trace(expression, a * b, teacher.random() < cfg.teacher_call_rate)
+            rows.append(rl_row("calculator", expression + "=", str(a * b), {
+                "split": split, "index": len(rows), "expression": expression, "answer": str(a * b),
+                "tool_answer": teacher_trace(expression, a * b, True), "teacher_answer": trace}))
     return rows
 
 

@@ -20,10 +20,8 @@ import tyro
 from data import rl_row, write_splits
 
 SPLITS = ("train", "test")
-# verl's instruction, so scores compare with verl's runs
-INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-# regexes only see the tail: long responses would make them slow, and the answer sits at the end
-_CLIP_CHARS = 300
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's, for comparable scores
+_CLIP_CHARS = 300  # regexes only see the tail: long responses would make them slow, and the answer sits at the end
 _STRICT = re.compile(r"#### (-?[0-9.,]+)")
 _FLEXIBLE = re.compile(r"(-?[0-9.,]+)")
 
@@ -49,9 +47,8 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
     return candidates[-1] if candidates else None
 
 
-def compute_score(
-    solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0, score: float = 1.0
-) -> float:
+def compute_score(solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0,
+                  score: float = 1.0) -> float:
     """verl's GSM8K reward: 0.0 with no answer, format_score for a wrong one, score for a right one (compared as
     strings, as in verl: "72.0" does not match "72")."""
     answer = extract_solution(solution_str, method)
@@ -72,8 +69,7 @@ def to_row(example: dict, split: str, index: int) -> dict:
 def load_local(local_dir: str, split: str) -> list[dict]:
     """The examples of one split from a local copy (shards read in name order)."""
     root = Path(local_dir)
-    # a snapshot of the hub repo keeps the default config under main/ (beside socratic/)
-    if (root / "main").is_dir():
+    if (root / "main").is_dir():  # a snapshot of the hub repo keeps the default config there (beside socratic/)
         root = root / "main"
     files = sorted(root.glob(f"{split}*.parquet")) + sorted(root.glob(f"{split}*.jsonl"))
     if not files:
