@@ -61,7 +61,10 @@ class Tracking:
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
+            import wandb
+
             self.wandb.finish()
+            wandb.teardown()  # finish() can return before wandb's service has written the offline run's file
 
 
 def plot_curves(records: list[dict], path: str):
