@@ -60,16 +60,14 @@ def init_distributed(timeout_s: int = 1800) -> Dist:
     if "RANK" not in os.environ:  # plain `python script.py`
         return Dist(0, 1, 0, torch.device("cuda", 0) if cuda else torch.device("cpu"), None, True)
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         # verl's performance tuning guide, where the user set nothing, before the CUDA context exists: one hardware
         # queue (communication kernels launch in issue order), NCCL streams at high priority (collectives are not
         # starved by compute). NCCL_PROTO is left to the user: the best value depends on the interconnect.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         os.environ.setdefault("TORCH_NCCL_HIGH_PRIORITY", "1")
-        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     # device_id binds NCCL to this rank's GPU (eager init, and barriers know their device)
     tdist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                              device_id=device if cuda else None)
@@ -78,8 +76,7 @@ def init_distributed(timeout_s: int = 1800) -> Dist:
 
 
 class Sum(float):
-    """A metric value that the ranks add up (a count). How a metric is reduced over the ranks is declared where it
-    is made, by its type: Sum, Max, Min, or a plain number (the mean); never by its name."""
+    """A metric value the ranks add up (a count): its type, never its name, declares the reduction (reduce_metrics)."""
 
     op = "sum"
 

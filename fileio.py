@@ -12,8 +12,7 @@ from typing import Callable
 
 
 def write_atomic(path: str, write: Callable[[str], object]) -> None:
-    """write(tmp) fills the temporary path beside `path`; then it replaces `path` in one step (os.replace is atomic
-    on POSIX: a reader sees the old file or the new one, never half of one)."""
+    """write(tmp) fills a temporary path beside `path`, which then replaces `path` in one step (atomic on POSIX)."""
     tmp = path + ".tmp"
     write(tmp)
     os.replace(tmp, path)

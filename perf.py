@@ -7,15 +7,13 @@ peak. Model FLOPs of a token, N the parameters its matmuls use: 2 N forward, 6 N
 LoRA: the frozen base computes no weight gradients), plus attention's scores and mixing, 4 L H s a token forward
 (L layers, H the query heads' width, s the sequence's length; no causal halving, as verl counts). Recomputation
 (gradient checkpointing) is not counted: these are the model's FLOPs, not the hardware's.
-
-The peak: GPU_PEAK's spec-sheet figure for a known GPU, else measured once (matmul_peak) and cached under
-~/.cache/nanoverl/peak_flops.json, keyed by the device's name, the dtype and the thread count.
 """
 
 import json
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as tdist
@@ -40,23 +38,20 @@ def device_name(device: torch.device) -> str:
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """The device's dense FLOP/s in dtype: the table's for a known GPU, else measured once and cached."""
+    """The device's dense FLOP/s in dtype: GPU_PEAK's spec-sheet figure for a known GPU, else measured once
+    (matmul_peak) and cached in CACHE, keyed by the device's name (its thread count included) and the dtype."""
     name = device_name(device)
     if device.type == "cuda":
         for key, (half, single) in GPU_PEAK.items():
             if key in name:
                 return single if dtype == torch.float32 else half
     key = f"{name} {dtype}"
-    cached = {}
-    if os.path.exists(CACHE):
-        with open(CACHE) as f:
-            cached = json.load(f)
+    cached = json.loads(Path(CACHE).read_text()) if os.path.exists(CACHE) else {}
     if key not in cached:
         cached[key] = matmul_peak(device, dtype)
         os.makedirs(os.path.dirname(CACHE), exist_ok=True)
-        tmp = f"{CACHE}.{os.getpid()}.tmp"  # ranks measuring at once: each writes whole, the last rename wins
-        with open(tmp, "w") as f:
-            json.dump(cached, f, indent=1)
+        tmp = Path(f"{CACHE}.{os.getpid()}.tmp")  # ranks measuring at once: each writes whole, the last rename wins
+        tmp.write_text(json.dumps(cached, indent=1))
         os.replace(tmp, CACHE)
     return cached[key]
 
@@ -76,8 +71,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def model_shape(model: torch.nn.Module) -> dict:
-    """What model_flops needs of a Hugging Face causal LM (or its critic): its matmuls' parameters and attention's
-    layers and width."""
+    """What model_flops needs of an HF causal LM (or its critic): matmul parameters, attention's layers and width."""
     config = model.config
     embedding = model.get_input_embeddings().weight
     n = sum(p.numel() for p in model.parameters())  # DTensors count their global size; tied weights once

@@ -34,6 +34,7 @@ import socket
 import sys
 import time
 from collections import Counter
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -97,13 +98,13 @@ class RayConfig:
     """Fault injection: the first this many incarnations of the groups fail (more than max_restarts: keeps dying)."""
 
     def __post_init__(self):
-        for name in ("workers", "fail_call", "fail_times"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ray.{name}={getattr(self, name)} must be >= 1")
-        if self.critic_workers is not None and self.critic_workers < 1:
-            raise ValueError(f"ray.critic_workers={self.critic_workers} must be >= 1")
-        if self.cpus_per_worker <= 0 or self.call_timeout_s <= 0 or self.max_restarts < 0:
-            raise ValueError("ray.cpus_per_worker and ray.call_timeout_s must be > 0, ray.max_restarts >= 0")
+        bounds = {"workers": 1, "critic_workers": 1, "fail_call": 1, "fail_times": 1, "max_restarts": 0}
+        for name, low in bounds.items():
+            if (value := getattr(self, name)) is not None and value < low:  # critic_workers None: as many as workers
+                raise ValueError(f"ray.{name}={value} must be >= {low}")
+        for name in ("cpus_per_worker", "call_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ray.{name}={getattr(self, name)} must be > 0")
         if self.pin_cores and self.cpus_per_worker != int(self.cpus_per_worker):
             raise ValueError(f"ray.pin_cores: ray.cpus_per_worker={self.cpus_per_worker} must be whole cores")
 
@@ -143,13 +144,9 @@ class WorkerHost:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=master[0],
                               MASTER_PORT=str(master[1]))  # Ray gives each actor its own GPU as device 0
         self.dist, self.rank = init_distributed(cfg.dist_timeout_s), rank
-        self.workers = {}
-        if "actor" in roles:
-            self.workers["actor"] = ActorWorker(cfg, model_path, self.dist)
-        if "critic" in roles:
-            self.workers["critic"] = CriticWorker(cfg, cfg.critic_model_path or model_path, self.dist)
-        if "rollout" in roles:
-            self.workers["rollout"] = RolloutWorker(cfg, model_path, self.dist)
+        kinds = {"actor": ActorWorker, "critic": CriticWorker, "rollout": RolloutWorker}
+        paths = {"critic": cfg.critic_model_path}  # None: the policy's
+        self.workers = {role: kinds[role](cfg, paths.get(role) or model_path, self.dist) for role in roles}
         self.fault, self.calls = fault, Counter()
         return {"rank": rank, "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
@@ -218,9 +215,8 @@ def _nbytes(x) -> int:
 
 
 class WorkerGroup:
-    """One role's Ray actors as one worker: group.log_probs(batch) runs log_probs on every rank's chunk and joins
-    the results; group.method.submit(...) starts the call and returns a Pending to wait on later. pool: the name of
-    the devices the hosts sit on, for the busy accounting (colocated roles share one)."""
+    """One role's Ray actors as one worker: group.log_probs(batch) runs on every rank's chunk and joins the results;
+    group.log_probs.submit(batch): a Pending. pool: names the devices, for the busy accounting (colocated: shared)."""
 
     def __init__(self, role: str, hosts: list, timeout: float, driver: "Driver", pool: str):
         self.role, self.hosts, self.timeout, self.driver, self.pool = role, hosts, timeout, driver, pool
@@ -257,8 +253,7 @@ class GroupMethod:
 
 
 class Pending:
-    """A worker-group call in flight: one call a host, with its arguments; the driver's busy accounting gets the
-    calls' times."""
+    """A worker-group call in flight: one call a host; the driver's busy accounting gets the calls' times."""
 
     def __init__(self, hosts: list, group: WorkerGroup, method: str, args: list, kwargs: dict | None = None,
                  ranks: list[int] | None = None):
@@ -383,34 +378,37 @@ class Groups:
     pools: list  # placement groups
 
 
-def start_pool(n: int, rc: RayConfig) -> tuple:
-    """A placement group of n bundles (one a device) and its n WorkerHost actors, one on each bundle."""
+def start_hosts(name: str, roles: list[str], n: int, cfg: Config, rc: RayConfig, model_path: str, incarnation: int,
+                first: int) -> tuple:
+    """A placement group of n bundles (one a device) and its n WorkerHost actors, one on each bundle, set up with
+    roles (one process group, unless a rollout pool's), each one's place printed. incarnation: the hosts' earlier
+    starts (fault injection fails the first ray.fail_times); first: the workers started before (ray.pin_cores)."""
     gpus = rc.gpus_per_worker if rc.gpus_per_worker is not None else int(ray.cluster_resources().get("GPU", 0) > 0)
     pool = placement_group([{"CPU": rc.cpus_per_worker, **({"GPU": gpus} if gpus else {})}] * n, strategy=rc.strategy)
     ray.get(pool.ready(), timeout=600)
     host_cls = ray.remote(WorkerHost)
     hosts = [host_cls.options(num_cpus=rc.cpus_per_worker, num_gpus=gpus, scheduling_strategy=(
         PlacementGroupSchedulingStrategy(pool, placement_group_bundle_index=i))).remote() for i in range(n)]
+    # every host gets the plan: only a call of ray.fail_role's matches it (a rollout pool's hosts take only theirs)
+    fault = None if rc.fail_role is None or incarnation >= rc.fail_times else dict(
+        role=rc.fail_role, rank=rc.fail_rank, method=rc.fail_method, call=rc.fail_call, mode=rc.fail_mode)
+    master = None if roles == ["rollout"] else ray.get(hosts[0].address.remote())
+    infos = ray.get([h.setup.remote(roles, cfg, model_path, rank, n, master, fault, pinned(first + rank, rc))
+                     for rank, h in enumerate(hosts)])
+    for info in infos:
+        print(f"[ray] {name} rank {info['rank']}: node {info['node'][:12]} pid {info['pid']}")
     return pool, hosts
 
 
 def start_groups(cfg: Config, rc: RayConfig, model_path: str, driver: Driver, incarnation: int) -> Groups:
-    """The pools and worker groups of the configured placement, each host's place printed; every group forms its
-    own process group."""
+    """The pools and worker groups of the configured placement (start_hosts), each group its own process group."""
     with_critic = cfg.adv_estimator == "gae"
     layout = [("actor", ["actor", "critic"] if with_critic and rc.placement == "colocated" else ["actor"], rc.workers)]
     if with_critic and rc.placement == "split":
         layout.append(("critic", ["critic"], rc.critic_workers or rc.workers))
-    fault = None if rc.fail_role is None or incarnation >= rc.fail_times else dict(
-        role=rc.fail_role, rank=rc.fail_rank, method=rc.fail_method, call=rc.fail_call, mode=rc.fail_mode)
     groups, all_hosts, pools = {}, [], []
     for name, roles, n in layout:
-        pool, hosts = start_pool(n, rc)
-        master = ray.get(hosts[0].address.remote())
-        infos = ray.get([h.setup.remote(roles, cfg, model_path, rank, n, master, fault,
-                                        pinned(len(all_hosts) + rank, rc)) for rank, h in enumerate(hosts)])
-        for info in infos:
-            print(f"[ray] {name} rank {info['rank']}: node {info['node'][:12]} pid {info['pid']}")
+        pool, hosts = start_hosts(name, roles, n, cfg, rc, model_path, incarnation, len(all_hosts))
         for role in roles:
             groups[role] = WorkerGroup(role, hosts, rc.call_timeout_s, driver, pool=name)
         all_hosts += hosts
@@ -424,16 +422,14 @@ def pinned(host: int, rc: RayConfig) -> list[int] | None:
     return list(range(host * k, host * k + k)) if rc.pin_cores else None
 
 
-def stop_groups(groups: Groups | None, clean: bool) -> None:
-    """clean: the hosts close their engines and process groups first; then every host and pool is removed."""
-    if groups is None:
-        return
+def stop_hosts(hosts: list, placements: list, clean: bool) -> None:
+    """clean: the hosts close their engines and process groups first; then hosts and placement groups are removed."""
     if clean:
-        ray.get([h.shutdown.remote() for h in groups.hosts])
-    for host in groups.hosts:
+        ray.get([h.shutdown.remote() for h in hosts])
+    for host in hosts:
         ray.kill(host)
-    for pool in groups.pools:
-        remove_placement_group(pool)
+    for placement in placements:
+        remove_placement_group(placement)
 
 
 # ---- The rollout pool: generation-only engines of their own, and one-step-off ---------------------
@@ -455,8 +451,7 @@ class Scorer:
 
 @dataclass
 class Request:
-    """A batch the pool generates: its prompt rows, seeds, and per chunk (the rows it covers, the generate call,
-    the scoring task)."""
+    """A batch the pool generates: its rows, seeds, and per chunk (its rows, the generate call, the scoring task)."""
     rows: list[dict]
     seeds: list[int] | None
     greedy: bool
@@ -469,19 +464,16 @@ class RolloutPool:
     which, within async.staleness: with 1, batch k+1 is generated while the trainer updates on batch k, verl's
     one-step-off). Every sample carries the version of its weights; each chunk is scored as soon as it exists.
 
-    Weight sync: the trainer's ranks gather each bucket of whole decoder layers (ActorWorker.send_weights) and its
-    rank 0 broadcasts them to every engine over a group of their own (comm.side_group); hybrid.verify_sync checks
-    them as the hybrid engine does. A dead engine: the pool is replaced (new engines, a new sync group, the current
-    weights) and what it held is generated again; the trainer's groups go on (ray.max_restarts counts it)."""
+    Weight sync: ActorWorker.send_weights into each engine's receive_weights over a group of their own (side_group),
+    checked as in the hybrid engine (hybrid.verify_sync). A dead engine: the pool is replaced (new engines and sync
+    group, the current weights), what it held generated again; the trainer goes on (ray.max_restarts counts it)."""
 
-    def __init__(self, cfg: Config, rc: RayConfig, model_path: str, actor: WorkerGroup, driver: Driver,
-                 critic_hosts: list):
+    def __init__(self, cfg: Config, rc: RayConfig, model_path: str, actor: WorkerGroup, driver: Driver, first: int):
         self.cfg, self.rc, self.model_path, self.actor, self.driver = cfg, rc, model_path, actor, driver
-        self.critic_hosts = critic_hosts  # a split critic's, counted for ray.pin_cores
+        self.first = first  # the trainer's workers, which took the first cores (ray.pin_cores)
         self.tokenizer = load_tokenizer(model_path)
         self.plan = actor.weights_plan()  # the buckets' names, shapes and dtypes, for the receiving side
         self.version, self.restarts, self.requests = 0, 0, {}  # requests: prefetched, by seeds
-        self.hosts = self.placement = None
         self._start()
 
     # ---- the pool's hosts ----
@@ -489,14 +481,8 @@ class RolloutPool:
     def _start(self) -> None:
         """New engines (the model from model_path) and a new weight-sync group with the trainer's rank 0."""
         rc, n = self.rc, self.cfg.async_.rollout_workers
-        fault = dict(role="rollout", rank=rc.fail_rank, method=rc.fail_method, call=rc.fail_call, mode=rc.fail_mode) \
-            if rc.fail_role == "rollout" and self.restarts < rc.fail_times else None
-        self.placement, self.hosts = start_pool(n, rc)
-        first = len(self.actor.hosts) + len(self.critic_hosts)  # the trainer's workers took the first cores
-        infos = ray.get([h.setup.remote(["rollout"], self.cfg, self.model_path, rank, 1, None, fault,
-                                        pinned(first + rank, rc)) for rank, h in enumerate(self.hosts)])
-        for info in infos:
-            print(f"[ray] rollout rank {info['rank']}: node {info['node'][:12]} pid {info['pid']}")
+        self.placement, self.hosts = start_hosts("rollout", ["rollout"], n, self.cfg, rc, self.model_path,
+                                                 self.restarts, self.first)
         self.group = WorkerGroup("rollout", self.hosts, rc.call_timeout_s, self.driver, pool="rollout")
         self.scorer = ray.remote(Scorer).options(num_cpus=0).remote(self.model_path, self.cfg.reward_fn_path,
                                                                     self.cfg.reward_fn_name)
@@ -506,12 +492,8 @@ class RolloutPool:
         joins.result()
 
     def stop(self, clean: bool) -> None:
-        """clean: the engines shut down first; then the hosts and their placement group are removed."""
-        if clean:
-            ray.get([h.shutdown.remote() for h in self.hosts])
-        for host in [*self.hosts, self.scorer]:
-            ray.kill(host)
-        remove_placement_group(self.placement)
+        stop_hosts(self.hosts, [self.placement], clean)
+        ray.kill(self.scorer)
 
     def _restart(self, error: WorkerFailure) -> None:
         """Replace the pool after a failure: new engines with the trainer's current weights, and every prefetched
@@ -557,10 +539,8 @@ class RolloutPool:
             try:
                 receive.result()  # a dead engine is found at once; the live ones may wait for what never comes
             except WorkerFailure:
-                try:  # the trainer's rank 0 lost its peers: its error (once its gathers are done) is expected
+                with suppress(RayTaskError):  # the trainer's rank 0 lost its peers: its error is expected
                     send.result()
-                except RayTaskError:
-                    pass
                 raise
             metrics["sync/bytes"] = float(send.result() * n)
         if self.cfg.hybrid.verify_sync:
@@ -580,8 +560,7 @@ class RolloutPool:
     def generate(self, rows: list[dict], seeds: list[int] | None, greedy: bool = False) -> tuple[TensorDict, dict]:
         """The scored batch (verl's layout, with "scores" and "version") of n responses per row (greedy: one), and
         its metrics: the prefetched batch for these seeds, or one generated now."""
-        request = self.requests.pop(tuple(seeds), None) if seeds else None
-        request = request or self._submit(rows, seeds, greedy)
+        request = (self.requests.pop(tuple(seeds), None) if seeds else None) or self._submit(rows, seeds, greedy)
         while True:
             try:
                 return self._collect(request)
@@ -610,9 +589,8 @@ class RolloutPool:
         scores = ray.get([s for _, _, s in request.chunks])
         prompts = [r["prompt_ids"] for r in request.rows for _ in range(n)]
         out = RolloutOutput.cat([o[0] for o in outs])
-        # the widths of the longest prompt and response, as colocated
         batch = pad_batch(prompts, out.responses, out.log_probs, self.tokenizer.pad_token_id, None, out.masks,
-                          out.counts)
+                          out.counts)  # widths None: the longest prompt's and response's, as colocated
         batch["version"] = torch.tensor([o[1] for o in outs for _ in o[0].responses])  # [B]
         batch["scores"] = torch.tensor([x for s, _ in scores for x in s])  # [B]
         gen = Counter()  # seconds each engine generated
@@ -654,18 +632,18 @@ def train(rc_all: RayTrainerConfig) -> list[dict]:
         try:
             groups = start_groups(cfg, rc, model_path, driver, restarts)
             if cfg.async_.rollout_workers:
-                split = groups.critic.hosts if groups.critic and groups.critic.hosts is not groups.actor.hosts else []
-                pool = RolloutPool(cfg, rc, model_path, groups.actor, driver, split)
+                pool = RolloutPool(cfg, rc, model_path, groups.actor, driver, first=len(groups.hosts))
             records = loop(Run(cfg, task, groups.actor, groups.critic, driver, pool))
             if pool:
                 pool.stop(clean=True)
-            stop_groups(groups, clean=True)
+            stop_hosts(groups.hosts, groups.pools, clean=True)
             return records
         except WorkerFailure as e:
             restarts += 1
             if pool:
                 pool.stop(clean=False)
-            stop_groups(groups, clean=False)
+            if groups:
+                stop_hosts(groups.hosts, groups.pools, clean=False)
             where = f"after step {driver.last_step} completed" if driver.last_step else "before step 1 completed"
             if restarts > rc.max_restarts:
                 raise RuntimeError(f"workers kept failing: {restarts} failures, ray.max_restarts={rc.max_restarts}; "
