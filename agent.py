@@ -6,13 +6,12 @@ trained on, a tool's output is appended as tokens with loss mask 0, and the hist
         --agent.tools-path my_tools.py                              # your tools (README: "Tools and multi-turn")
     python -m pytest tests/test_agent.py -q
 
-One response is a sequence of turns. The engine generates until the model ends its turn (EOS), runs out of the
-response budget, or emits the call's end (`agent.call_end`, one token: a stop token); the text from the last
-`agent.call_start` up to it is the call. The tool runs (in a thread, within `agent.tool_timeout_s`), its result is
-written into `agent.observation` and tokenized alone, and those tokens are appended to the response with mask 0 and
-no log-probs; the next turn continues from the prompt and the whole response so far, as token ids. A call that does
-not parse, a tool that raises and one that times out all return their error as the observation (counted in
-tool_errors) and the run goes on.
+One response is a sequence of turns. The engine generates until the model ends its turn (EOS), runs out of the response
+budget, or emits the call's end (`agent.call_end`, one token: a stop token); the text from the last `agent.call_start`
+up to it is the call. The tool runs (in a thread, within `agent.tool_timeout_s`), its result is written into
+`agent.observation` and tokenized alone, and those tokens are appended to the response with mask 0 and no log-probs; the
+next turn continues from the prompt and the whole response so far, as token ids. A call that does not parse, a tool that
+raises and one that times out all return their error as the observation (counted in tool_errors) and the run goes on.
 
 Tools are plain Python functions in a file: its list TOOLS, else every public function defined there. A call is
 JSON ({"name": ..., "arguments": {...}}, Hermes / Qwen's format), a Python call with literal arguments
@@ -182,9 +181,8 @@ class AgentLoop:
             open_ = [t for t, _ in calling if len(t.tokens) < max_tokens]
             if not open_:
                 break
-        counts = ([t.turns for t in trajs], [t.calls for t in trajs], [t.errors for t in trajs])
-        return RolloutOutput([t.tokens for t in trajs], [t.log_probs for t in trajs], [t.mask for t in trajs],
-                             dict(zip(COUNTS, counts)))
+        counts = dict(zip(COUNTS, ([t.turns for t in trajs], [t.calls for t in trajs], [t.errors for t in trajs])))
+        return RolloutOutput([t.tokens for t in trajs], [t.log_probs for t in trajs], [t.mask for t in trajs], counts)
 
     def _parse(self, turn: list[int]):
         """The call a turn ends with (its text from the last call_start), or the error that says why there is none."""

@@ -1,6 +1,5 @@
-"""The 3D-HybridEngine of HybridFlow (Sheng et al. 2024) for one colocated worker per device: the actor's FSDP2
-shards, the rollout engine (vLLM) and the reference live in one process, which switches between train mode and
-rollout mode.
+"""The 3D-HybridEngine of HybridFlow (Sheng et al. 2024) for one colocated worker per device: the actor's FSDP2 shards,
+the rollout engine (vLLM) and the reference live in one process, which switches between train and rollout mode.
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_hybrid_engine.py -q   # 2 torchrun ranks: checksums, probe, buckets
     OMP_NUM_THREADS=1 python bench/reshard.py                           # s/sync and peak memory vs naive and floor
@@ -20,12 +19,10 @@ within `resident` (the worker's context in which its parameters are on the devic
 then, the parameters back where they wait:
   3. wake the KV cache, after the weights, so the two never peak together
   4. with verify_sync, prove that the engine received and computes with the trainer's weights (see _verify)
-Leaving: the engine sleeps (level 2: weights and KV cache dropped, buffers kept by vLLM; no sleep mode on CPU, where
-it is a no-op); on CPU the heap's free pages go back to the OS (release_host_memory).
+Leaving: the engine sleeps (VLLMRollout.sleep); on CPU the heap's free pages go back to the OS (release_host_memory).
 
-A bucket never splits a decoder layer (sharding.weight_groups says why): a layer larger than the bucket travels
-alone. Each load has a fixed cost (the loader visits every module of the engine), small next to the memory that
-large buckets touch (bench/reshard.py measures both).
+A bucket never splits a decoder layer (sharding.weight_groups says why). Each load has a fixed cost (the loader visits
+every module of the engine), small next to the memory that large buckets touch (bench/reshard.py measures both).
 
 Why the gathers are not overlapped with the engine's loading: asynchronous all-gathers on gloo while the CPU engine
 loaded layers corrupted the heap in bench/reshard.py, so each tensor is gathered when its bucket is built.
@@ -74,12 +71,10 @@ class HybridConfig:
     """Tokens per probe sequence (4 fixed random sequences); must be below the engine's max_model_len."""
 
     def __post_init__(self):
-        if self.bucket_mb < 0:
-            raise ValueError(f"bucket_mb={self.bucket_mb} must be >= 0 (0: one layer a bucket)")
-        if self.verify_tol <= 0:
-            raise ValueError(f"verify_tol={self.verify_tol} must be > 0")
-        if self.probe_len < 2:
-            raise ValueError(f"probe_len={self.probe_len} must be >= 2")
+        for name, ok, rule in (("bucket_mb", self.bucket_mb >= 0, ">= 0 (0: one layer a bucket)"),
+                               ("verify_tol", self.verify_tol > 0, "> 0"), ("probe_len", self.probe_len >= 2, ">= 2")):
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)} must be {rule}")
 
 
 class HybridEngine:
@@ -106,7 +101,7 @@ class HybridEngine:
         context in which the trainer's parameters are on its device (the worker's; they may wait in host memory)."""
         try:
             at_entry = reset_peak_memory(self.dist.device)
-            expected = None
+            expected, received = None, {}
             if self.cfg.verify_sync:  # the trainer's side of the verification first, where it computes
                 with resident():
                     expected = (trainer_checksums(self.model, self.dtype, self.dist.device),
@@ -114,7 +109,6 @@ class HybridEngine:
             with timer("reshard", metrics):
                 with resident():
                     self.rollout.wake_up(tags=["weights"])
-                    received = {}
                     metrics["reshard/bytes"], metrics["reshard/buckets"] = self._stream(received)
                 self.rollout.wake_up(tags=["kv_cache"])
             peak = peak_memory(self.dist.device)
@@ -129,13 +123,10 @@ class HybridEngine:
             if not self.on_gpu:
                 release_host_memory()  # the buckets' pages, else held while the trainer runs
 
-    # ---- streaming ----
-
     def _stream(self, received: dict) -> tuple[int, int]:
         """Every bucket into the engine, one at a time; returns (bytes, buckets) handed over, once it has checked
         that the buckets together handed over every weight exactly once (vLLM's loader is muted: rollout.py)."""
-        nbytes = buckets = 0
-        names = []
+        nbytes, buckets, names = 0, 0, []
         adapted_only = bool(self.adapted) and self.synced and self.rollout.keeps_weights
         expected = self.adapted if adapted_only else self.names
         for bucket in full_weights(self.model, self.bucket_bytes, self.dtype, adapted_only):  # collective
@@ -158,8 +149,6 @@ class HybridEngine:
                 received[name] = checksum(tensor.reshape(-1), start=0).item()
             yield name, tensor
 
-    # ---- verification ----
-
     def _verify(self, expected: dict[str, int], trainer: torch.Tensor, received: dict[str, int]) -> float:
         """sync_errors on this rank, the worst over all ranks (so that every rank raises, rather than the others
         waiting in the next collective); returns the probe's largest gap."""
@@ -181,9 +170,8 @@ def probe_tokens(vocab_size: int, probe_len: int) -> torch.Tensor:
 
 
 def trainer_checksums(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
-    """Checksums of the trainer's full weights in the rollout dtype, computed from the local shards and summed
-    across ranks (checksums add over shards), so no rank gathers anything but LoRA's merged weights. Collective
-    under FSDP2."""
+    """Checksums of the trainer's full weights in the rollout dtype, computed from the local shards and summed across
+    ranks (checksums add over shards), so no rank gathers anything but LoRA's merged weights. Collective under FSDP2."""
     names, sums, group = [], [], None
     for name, tensor in (entry for g in weight_groups(model) for entry in g):
         if isinstance(tensor, Merged):  # LoRA: the merge needs the full factors, so this one is gathered

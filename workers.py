@@ -50,11 +50,9 @@ def pad_batch(prompts: list[list[int]], responses: list[list[int]], rollout_logp
               widths: tuple[int, int] | None = None, masks: list[list[int]] | None = None,
               counts: dict[str, list[int]] | None = None):
     """Left-pad prompts and right-pad responses into verl's batch layout (a TensorDict of [B, ...]).
-
     widths (P, R): pad to these instead of the longest prompt and response (they must be at least those).
     masks: multi-turn responses' masks (agent.py: 0 on a tool's tokens), the response_mask; the attention covers
-    every token. counts: per-response values (num_turns, tool_calls, tool_errors), each a [B] key.
-    """
+    every token. counts: per-response values (num_turns, tool_calls, tool_errors), each a [B] key."""
     P, R = widths or (max(map(len, prompts)), max(1, max(map(len, responses))))
     prompt_ids, prompt_mask = pad(prompts, pad_id, P, left=True)  # [B, P] each
     response_ids, response_attention = pad(responses, pad_id, R)  # [B, R] each
@@ -70,11 +68,9 @@ def layout(prompt_ids, prompt_mask, response_ids, response_attention, response_m
     """The batch from its padded prompts [B, P] and responses [B, R] (ids, attention, response_mask, log-probs)."""
     attention_mask = torch.cat([prompt_mask, response_attention], 1)  # [B, P + R]
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, P + R], 0 at the first real token
-    return TensorDict(
-        prompts=prompt_ids, responses=response_ids, input_ids=torch.cat([prompt_ids, response_ids], 1),
-        attention_mask=attention_mask, position_ids=position_ids, response_mask=response_mask,
-        rollout_log_probs=rollout_log_probs, batch_size=[prompt_ids.shape[0]],
-    )
+    return TensorDict(prompts=prompt_ids, responses=response_ids, input_ids=torch.cat([prompt_ids, response_ids], 1),
+                      attention_mask=attention_mask, position_ids=position_ids, response_mask=response_mask,
+                      rollout_log_probs=rollout_log_probs, batch_size=[prompt_ids.shape[0]])
 
 
 def repadded(batch: TensorDict, widths: tuple[int, int], pad_id: int) -> TensorDict:
@@ -110,10 +106,8 @@ def response_positions(batch: TensorDict, remove_padding: bool) -> tuple[dict, t
     (remove_padding, batching.pack): one row [1, N] and the n = keep.sum() packed positions of real response tokens."""
     R, T = batch["responses"].shape[1], batch["input_ids"].shape[1]
     if not remove_padding:
-        inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                      position_ids=batch["position_ids"])
-        # [R]: position t predicts token t + 1
-        columns = torch.arange(T - R - 1, T - 1, device=batch["input_ids"].device)
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        columns = torch.arange(T - R - 1, T - 1, device=batch["input_ids"].device)  # [R]: position t predicts t + 1
         return inputs, columns, batch["response_mask"].bool()
     packed = pack(batch["input_ids"], batch["attention_mask"])  # [1, N]; use_cache=False, or no packing is detected
     predicting = packed.flat_index[:, -R - 1 : -1]  # [B, R]: the packed positions that predict the response tokens
@@ -149,8 +143,7 @@ def response_log_probs(model, batch: TensorDict, temperature: float, with_entrop
 
     with head_replaced(model, log_probs_head) as head:
         out = model(**inputs, logits_to_keep=positions, use_cache=False).logits  # [1 or 2, n]
-    logp, entropy = (unpack(x, keep) for x in out) if with_entropy else (unpack(out[0], keep), None)  # [B, R]
-    return logp, entropy
+    return tuple(unpack(x, keep) for x in out) if with_entropy else (unpack(out[0], keep), None)  # [B, R] each
 
 
 def response_values(model, batch: TensorDict, remove_padding: bool = False) -> torch.Tensor:
@@ -167,7 +160,7 @@ class Worker:
     """A trainable model (FSDP2 over the worker's dp ranks, the plain model in one process), its tokenizer and AdamW,
     micro-batches, the PPO update, checkpoints and export. Subclasses set role (the metrics' prefix) and give
     micro_batch_loss -> (loss, {"sum": .., "mean": .., "max": ..}): its metrics as 0-d tensors, each dict declaring how
-    micro-batches combine (loss terms add up, per-token means weigh by token share, maxima take the largest)."""
+    micro-batches combine (accumulate)."""
 
     role: str
 
@@ -209,9 +202,8 @@ class Worker:
     def resident(self, optimizer: bool = False):
         """A context in which this worker's parameters (and with optimizer, its AdamW state) are on its device:
         what Config.offload keeps in host memory comes in for the block and goes back after."""
-        models = [self.model] if self.offload_params else []
-        optimizers = [self.opt] if optimizer and self.offload_optimizer else []
-        return placed(self.dist.device, "cpu", models, optimizers)
+        return placed(self.dist.device, "cpu", [self.model] if self.offload_params else [],
+                      [self.opt] if optimizer and self.offload_optimizer else [])
 
     def map_micro_batches(self, fn, batch: TensorDict, phase: str) -> torch.Tensor:
         """fn on each token-budget micro-batch (log_prob_max_token_len_per_gpu) of the CPU batch, on this worker's
@@ -294,8 +286,7 @@ class Worker:
         cfg, per_step = self.cfg, []
         warmup = cfg.lr_warmup_steps if cfg.lr_warmup_steps >= 0 else int(cfg.lr_warmup_steps_ratio * cfg.total_steps)
         for group in self.opt.param_groups:
-            group["lr"] = self.lr * lr_factor(self.updates, cfg.total_steps, warmup, cfg.lr_scheduler,
-                                              cfg.min_lr_ratio)
+            group["lr"] = self.lr * lr_factor(self.updates, cfg.total_steps, warmup, cfg.lr_scheduler, cfg.min_lr_ratio)
         self.updates += 1
         phase = f"update_{self.role}"
         knob = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size"
@@ -331,13 +322,11 @@ class Worker:
             out[k] = max(values) if isinstance(values[0], Max) else sum(values) / len(values)
         out[f"{self.role}/skipped_steps"] *= len(per_step)  # a count, not a mean
         out[f"{self.role}/lr"] = self.opt.param_groups[0]["lr"]
-        seqlens = batch["attention_mask"].sum(-1)  # [B]
-        over = float((seqlens > cfg.ppo_max_token_len_per_gpu).sum()) if cfg.use_dynamic_bsz else 0.0
-        out[f"{self.role}/over_budget_seqs"] = Sum(over)
+        over = (batch["attention_mask"].sum(-1) > cfg.ppo_max_token_len_per_gpu).sum() if cfg.use_dynamic_bsz else 0.0
+        out[f"{self.role}/over_budget_seqs"] = Sum(float(over))
         return out
 
-    def accumulate(self, mb: TensorDict, mask: torch.Tensor, agg_kw: dict, limit: int,
-                   first_mini_batch: bool) -> dict:
+    def accumulate(self, mb: TensorDict, mask: torch.Tensor, agg_kw: dict, limit: int, first_mini_batch: bool) -> dict:
         """Forward and backward over the micro-batches of mini-batch mb within `limit` (tokens under use_dynamic_bsz,
         else sequences), their gradients summed into the parameters' .grad; returns their metrics. Collective (the
         micro-batch count under use_dynamic_bsz; FSDP2's gathers and reduce-scatters)."""
@@ -394,25 +383,22 @@ class ActorWorker(Worker):
     role = "actor"
 
     def __init__(self, cfg: Config, model_path: str, dist: Dist):
-        tokenizer = load_tokenizer(model_path)
         model = load_sharded_model(model_path, dist, cfg.fsdp, gradient_checkpointing=cfg.gradient_checkpointing,
                                    lora=cfg.lora)
-        super().__init__(cfg, dist, model, tokenizer, cfg.lr)  # fp32 masters
-        # with LoRA the reference is the policy with its adapters off (ref_log_probs): no second copy
+        super().__init__(cfg, dist, model, load_tokenizer(model_path), cfg.lr)  # fp32 masters
         self.ref = load_sharded_model(model_path, dist, cfg.fsdp, trainable=False) \
-            if cfg.use_reference and not cfg.lora else None
+            if cfg.use_reference and not cfg.lora else None  # LoRA: the policy with its adapters off, no second copy
         if self.ref is not None and cfg.offload.ref_params:
             move_model(self.ref, "cpu")
         self.sync_group = None  # rank 0's weight-sync group with a rollout pool (open_weight_sync)
         self.bucket_bytes = int(cfg.hybrid.bucket_mb * 2**20)  # 0: one decoder layer a bucket
-        self.rollout = self.hybrid = self.sampler = None  # with a rollout pool (async.rollout_workers) the pool's engines generate
+        self.rollout = self.hybrid = self.sampler = None  # async.rollout_workers: the pool's engines generate
         if not cfg.async_.rollout_workers:
             self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=self.model,
-                                        tokenizer=tokenizer, in_group=dist.mesh is not None, tp=cfg.rollout_tp,
+                                        tokenizer=self.tokenizer, in_group=dist.mesh is not None, tp=cfg.rollout_tp,
                                         **engine_args(cfg, dist.device))
-            # train mode <-> rollout mode, streaming the weights into the engine (the 3D-HybridEngine)
             self.hybrid = HybridEngine(self.model, self.rollout, dist, cfg.hybrid, DTYPES[cfg.fsdp.param_dtype])
-            self.sampler = AgentLoop(self.rollout, tokenizer, cfg.agent) if cfg.agent.tools_path else self.rollout
+            self.sampler = AgentLoop(self.rollout, self.tokenizer, cfg.agent) if cfg.agent.tools_path else self.rollout
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None,
                  greedy: bool = False) -> tuple[TensorDict, dict]:
@@ -424,8 +410,7 @@ class ActorWorker(Worker):
         if self.rollout is None:
             raise RuntimeError("generate: this actor has no engine; its rollout pool generates (async.rollout_workers)")
         n, metrics = 1 if greedy else self.cfg.rollout_n, {}
-        # the AdamW state leaves the device while the engine takes its memory (it waits on the host anyway when
-        # offloaded); the parameters come to the device for the sync only (self.resident)
+        # the AdamW state leaves the device while the engine takes its memory (on the host anyway when offloaded)
         optimizer_away = placed("cpu", self.dist.device, optimizers=[] if self.offload_optimizer else [self.opt])
         # vLLM holds its own weights: the trainer's come to the device for the sync only; HF generate runs the
         # trainer's own model, which stays for the whole of rollout mode
@@ -434,9 +419,8 @@ class ActorWorker(Worker):
         with self.measured("gen"), optimizer_away, resident, self.hybrid.rollout_mode(metrics, sync_resident), \
                 timer("gen", metrics):
             try:
-                out = self.sampler.generate(prompts, n=n, max_tokens=self.cfg.max_response_length,
-                                            temperature=0.0 if greedy else self.cfg.temperature,
-                                            top_p=self.cfg.top_p, seeds=seeds,
+                out = self.sampler.generate(prompts, n=n, max_tokens=self.cfg.max_response_length, seeds=seeds,
+                                            temperature=0.0 if greedy else self.cfg.temperature, top_p=self.cfg.top_p,
                                             ignore_eos=self.cfg.ignore_eos and not greedy)
             except Exception as error:
                 if not is_oom(error):
@@ -460,9 +444,8 @@ class ActorWorker(Worker):
     def open_weight_sync(self, address: tuple[str, int], size: int) -> None:
         """Join a new weight-sync group with a rollout pool's size - 1 engines: rank 0 sends, as rank 0 of that group
         (hosting its store at address); the other ranks only gather. Replaces the previous pool's group."""
-        self.sync_group = None
-        if self.dist.is_main:
-            self.sync_group = side_group(address, 0, size, self.dist.device, self.cfg.dist_timeout_s)
+        self.sync_group = (side_group(address, 0, size, self.dist.device, self.cfg.dist_timeout_s) if self.dist.is_main
+                           else None)
 
     def weights_plan(self) -> list[list[tuple[str, tuple, torch.dtype]]]:
         """What send_weights sends: buckets of (HF name, full shape, dtype), whole decoder layers each."""
@@ -493,16 +476,14 @@ class ActorWorker(Worker):
     def sync_expectation(self) -> list:
         """The trainer's side of verify_sync: [checksums of its weights in the rollout dtype, its probe log-probs as
         lists]. Collective (the checksums' sum over shards)."""
-        dtype, device = DTYPES[self.cfg.fsdp.param_dtype], self.dist.device
+        probe = probe_tokens(self.model.config.vocab_size, self.cfg.hybrid.probe_len)  # [N, T]
         with self.resident():
-            probe = trainer_probe(self.model, probe_tokens(self.model.config.vocab_size, self.cfg.hybrid.probe_len),
-                                  device)
-            return [trainer_checksums(self.model, dtype, device), probe.tolist()]
+            probe_lp = trainer_probe(self.model, probe, self.dist.device).tolist()
+            return [trainer_checksums(self.model, DTYPES[self.cfg.fsdp.param_dtype], self.dist.device), probe_lp]
 
     @torch.no_grad()
     def log_probs(self, batch: TensorDict) -> torch.Tensor:
-        """Sampled-token log-probs [B, R] under the current policy. Collectives: FSDP2's gathers (and the micro-batch
-        count)."""
+        """Sampled-token log-probs [B, R] under the current policy. Collectives: FSDP2's gathers, micro-batch count."""
         with self.resident(), self.measured("old_log_prob"):
             return self._log_probs(self.model, batch, "old_log_prob")
 
@@ -526,12 +507,10 @@ class ActorWorker(Worker):
 
     def micro_batch_loss(self, micro: TensorDict, agg_kw: dict, first_mini_batch: bool) -> tuple[torch.Tensor, dict]:
         """Policy loss - entropy bonus (+ KL loss) of one micro-batch, scaled by its mini-batch's counts.
-        first_mini_batch: no optimizer step yet in this update, so logp is the sampling policy's
-        (Config.old_log_probs)."""
+        first_mini_batch: no optimizer step yet, so logp is the sampling policy's (Config.old_log_probs)."""
         cfg, mask = self.cfg, self.loss_mask(micro)
-        logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True,
-                                           remove_padding=self.remove_padding,
-                                           entropy_grad=cfg.entropy_coeff != 0)  # [b, R] each
+        logp, entropy = response_log_probs(self.model, micro, cfg.temperature, with_entropy=True,  # [b, R] each
+                                           remove_padding=self.remove_padding, entropy_grad=cfg.entropy_coeff != 0)
         mode = cfg.old_log_probs_from
         old = (micro["old_log_probs"] if mode == "recompute" else micro["rollout_log_probs"] if mode == "rollout"
                else logp.detach())  # [b, R]
@@ -561,8 +540,7 @@ class ActorWorker(Worker):
         return batch["loss_mask"] if "loss_mask" in batch.keys() else batch["response_mask"]
 
     def close(self) -> None:
-        """Shut the rollout engine down. Call it after the run's last collective: vLLM's cleanup destroys the default
-        process group."""
+        """Shut the rollout engine down, after the run's last collective (VLLMRollout.close says why)."""
         if self.rollout is not None:
             self.rollout.close()
 
@@ -638,7 +616,7 @@ class RolloutWorker:
         samples carry `version`. With verify_sync each tensor is fingerprinted as it arrives (verify)."""
         self.received = {}
         for bucket in plan:
-            tensors = [(name, torch.empty(shape, dtype=dtype, device=self.dist.device)) for name, shape, dtype in bucket]
+            tensors = [(name, torch.empty(shape, dtype=dt, device=self.dist.device)) for name, shape, dt in bucket]
             for name, tensor in tensors:
                 broadcast(self.sync_group, tensor)
                 if self.cfg.hybrid.verify_sync:
