@@ -9,15 +9,12 @@ REINFORCE++ learn it too, and a sync that the verification rejects stops a run.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from conftest import assert_reward_rises, toy_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hybrid_engine import HybridConfig
-from config import BUILTIN_TASK
 from ppo import train
 
 
@@ -68,10 +65,7 @@ def test_other_critic_free_estimators_learn(tiny_rl_setup, tmp_path, estimator):
 def test_a_sync_beyond_verify_tol_stops_the_run(tiny_rl_setup, tmp_path):
     """The loop's weight syncs are verified for real: a tolerance below the engine/trainer rounding gap (a few
     1e-6 in fp32) makes the first sync fail, and the run stops with the probe's message."""
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in {**BUILTIN_TASK, **tiny_rl_setup}.items()]
-    argv += ["--total-steps=1", f"--out-dir={tmp_path}", "--hybrid.verify-sync", "--hybrid.verify-tol=1e-12"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.join(root, "grpo.py"), *argv], capture_output=True, text=True,
-                          timeout=300, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode != 0
-    assert "the engine's probe log-probs differ from the trainer's" in proc.stderr and "verify_tol=1e-12" in proc.stderr
+    cfg = toy_config(**tiny_rl_setup, total_steps=1, out_dir=str(tmp_path),
+                     hybrid=HybridConfig(verify_sync=True, verify_tol=1e-12))
+    with pytest.raises(RuntimeError, match=r"(?s)the engine's probe log-probs differ .*verify_tol=1e-12"):
+        train(cfg)

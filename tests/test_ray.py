@@ -9,8 +9,8 @@
   answering in its update: the groups and the pool are replaced, the run resumes from the latest checkpoint and
   ends with the uninterrupted run's metrics and weights; ray/restarts counts the restart.
 - A worker that keeps dying stops the run after ray.max_restarts with an error that says so.
-- One-step-off replaces a dead engine without restarting the trainer, and resumes after a trainer worker exits hard
-  in its update.
+- One-step-off (HF engines) replaces a dead engine without restarting the trainer, and resumes after a trainer
+  worker exits hard in its update.
 """
 
 import json
@@ -96,14 +96,14 @@ def test_ray_grpo_equals_torchrun(grpo_runs):
 
 
 def test_a_worker_that_keeps_dying_stops_the_run(tiny_rl_setup, tmp_path):
-    """Rank 0 exits in the step-0 evaluation in every incarnation: after ray.max_restarts restarts the run stops
-    with an error that counts the failures and names the last one."""
-    rc = RayConfig(workers=2, fail_role="actor", fail_rank=0, fail_method="generate", fail_call=1, fail_times=5,
+    """The worker (one, with HF generate: no engine to start) exits in the step-0 evaluation in every incarnation:
+    after ray.max_restarts restarts the run stops with an error that counts the failures and names the last one."""
+    rc = RayConfig(workers=1, fail_role="actor", fail_rank=0, fail_method="generate", fail_call=1, fail_times=5,
                    max_restarts=1)
     with pytest.raises(RuntimeError, match=r"workers kept failing: 2 failures, ray.max_restarts=1; the last before "
                                            r"step 1 completed: actor.generate: "
                                            r"rank 0 died"):
-        train(RayTrainerConfig(config(tiny_rl_setup, tmp_path), rc))
+        train(RayTrainerConfig(config(tiny_rl_setup, tmp_path, rollout_backend="hf"), rc))
 
 
 def test_ray_ppo_split_equals_torchrun(tiny_rl_setup, ppo_two_ranks, tmp_path):
@@ -138,7 +138,10 @@ def test_rollout_pool_synchronous_equals_colocated_and_a_hung_worker_is_replaced
 
 
 def one_step_off(cfg: Config, out_dir, engines: int = 2) -> Config:
-    return replace(cfg, out_dir=str(out_dir), async_=AsyncConfig(rollout_workers=engines, staleness=1))
+    """Staleness 1, the pool's engines HF generate (these tests are about the pool's faults, and an HF engine starts
+    in a fraction of a vLLM engine's time)."""
+    return replace(cfg, out_dir=str(out_dir), async_=AsyncConfig(rollout_workers=engines, staleness=1),
+                   rollout_backend="hf")
 
 
 def test_one_step_off_replaces_a_dead_rollout_worker(grpo_runs, tmp_path):

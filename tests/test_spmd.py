@@ -95,12 +95,29 @@ def assert_quiet(log_path):
     assert not [p for p in lines if " INFO " in p], "\n".join(lines)
 
 
-def test_two_ranks_log_what_one_process_logs(tiny_rl_setup, ppo_two_ranks, tmp_path):
+@pytest.fixture(scope="module")
+def one_process(tiny_rl_setup, ppo_two_ranks, tmp_path_factory):
+    """The two 1-process runs of the tests below, at once (one core each): PPO_TWO_RANKS's run (folder "run"), and
+    the 2 ranks' run resumed for one more step in a copy (folder "copy", learning rates far below fp32 resolution).
+    The root folder; each run's log beside its folder."""
+    root = tmp_path_factory.mktemp("one_process")
+    copy = root / "copy"
+    shutil.copytree(ppo_two_ranks, copy)
+    shutil.rmtree(copy / "final")
+    shutil.rmtree(copy / "critic")
+    resume = {**PPO_TWO_RANKS, "total_steps": 3, "lr": 1e-30, "critic_lr": 1e-30}
+    procs = [launch(args(tiny_rl_setup, root / name, **kw), root / f"{name}.log", wait=False, script="ppo.py")
+             for name, kw in (("run", PPO_TWO_RANKS), ("copy", resume))]
+    for proc, name in zip(procs, ("run", "copy")):
+        finished(proc, root / f"{name}.log")
+    return root
+
+
+def test_two_ranks_log_what_one_process_logs(ppo_two_ranks, one_process):
     """PPO with a critic and a LoRA actor on FSDP2 (the merged weights' syncs verified, the reward's KL to the
     adapters-off base) on 2 ranks (conftest.ppo_two_ranks) as in one process; the one process's console stays quiet."""
-    launch(args(tiny_rl_setup, tmp_path, **PPO_TWO_RANKS), tmp_path / "log", script="ppo.py")
-    assert_quiet(tmp_path / "log")
-    one, two = records(tmp_path), records(ppo_two_ranks)
+    assert_quiet(one_process / "run.log")
+    one, two = records(one_process / "run"), records(ppo_two_ranks)
     assert [r.keys() for r in one] == [r.keys() for r in two] and two[2]["actor/reward_kl_penalty"] > 0
     assert one[0]["val/accuracy"] == two[0]["val/accuracy"]  # the same initial weights, greedy
     # step 1 samples with the initial weights and per-prompt seeds: the same responses on 1 or 2 ranks
@@ -111,7 +128,8 @@ def test_two_ranks_log_what_one_process_logs(tiny_rl_setup, ppo_two_ranks, tmp_p
     for key in ("critic/values/max", "critic/values/min", "critic/returns/max", "critic/returns/min",
                 "critic/advantages/max", "critic/advantages/min"):
         assert one[1][key] == pytest.approx(two[1][key], abs=1e-5), key
-    assert all(os.path.isfile(d / "final" / "adapter" / "adapter_model.safetensors") for d in (tmp_path, ppo_two_ranks))
+    for d in (one_process / "run", ppo_two_ranks):
+        assert os.path.isfile(d / "final" / "adapter" / "adapter_model.safetensors")
     # what the step cost (perf.py), every step: MFU, per-phase memory, the all-reduce probe, the KV cache's use
     phases = ("gen", "reshard", "old_log_prob", "ref", "update_actor")
     for r in two[1:]:
@@ -123,18 +141,13 @@ def test_two_ranks_log_what_one_process_logs(tiny_rl_setup, ppo_two_ranks, tmp_p
     assert one[1]["perf/allreduce_ms"] == 0.0  # one process: no collective to time
 
 
-def test_two_rank_checkpoint_resumes_in_one_process(tiny_rl_setup, ppo_two_ranks, tmp_path):
+def test_two_rank_checkpoint_resumes_in_one_process(ppo_two_ranks, one_process):
     """The 2 ranks' step-2 checkpoint (LoRA adapter, critic, their AdamW states, the KL coefficient) loads in one
     process: resumed there (in a copy, the fixture stays as it was) for a step with learning rates far below fp32
     resolution, it exports exactly the actor and critic the 2 ranks exported, and the adaptive KL coefficient
     continues its recursion."""
-    copy = tmp_path / "copy"
-    shutil.copytree(ppo_two_ranks, copy)
-    shutil.rmtree(copy / "final")
-    shutil.rmtree(copy / "critic")
-    launch(args(tiny_rl_setup, copy, **{**PPO_TWO_RANKS, "total_steps": 3, "lr": 1e-30, "critic_lr": 1e-30}),
-           tmp_path / "log", script="ppo.py")
-    log = open(tmp_path / "log").read()
+    copy = one_process / "copy"
+    log = open(one_process / "copy.log").read()
     assert "resumed from" in log and "step_2" in log, log[-3000:]
     for folder in ("final", "critic"):
         weights_equal(*(load_file(os.path.join(d, folder, "model.safetensors")) for d in (copy, ppo_two_ranks)))
