@@ -334,7 +334,7 @@ class HFRollout:
         return [row[len(row) - len(s) + 1:] for s, row in zip(sequences, logp.tolist())]
 
     def sleep(self) -> None:
-        """No-op: the model belongs to the trainer."""
+        """No-op: the model (the trainer's, or a pool engine's own copy) stays where it is."""
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """No-op: the model belongs to the trainer."""
+        """No-op, as sleep."""
