@@ -366,21 +366,42 @@ class Config:
 BUILTIN_TASK = dict(lr=2e-4, critic_lr=1e-3, max_prompt_length=32, max_response_length=8, train_batch_size=32,
                     ppo_mini_batch_size=8, ppo_micro_batch_size=64, log_prob_max_token_len_per_gpu=2048)
 TASK_VALUES = {"arith": BUILTIN_TASK, "calculator": dict(BUILTIN_TASK, max_response_length=32)}
+SFT_RESULT = "sft_result.json"  # what sft.py writes last into a model folder; "rl_values": the tiny policy's values
+
+
+def recorded_values(model_path: str) -> dict | None:
+    """The RL values that sft.py recorded in a folder it trained from the built-in tiny policy (its "rl_values");
+    None for any other folder (a real model's, or one sft.py fine-tuned from a model you brought)."""
+    path = os.path.join(model_path, SFT_RESULT)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("rl_values")
+
+
+def task_values(cfg: Config) -> tuple[str, dict]:
+    """(where they come from, {field: value}) for the fields left at Config's default that a run takes from its
+    task: without --model-path the built-in task's TASK_VALUES; with a folder sft.py trained from the built-in tiny
+    policy, the values it recorded there; else none (verl's defaults stay)."""
+    if cfg.model_path is None:
+        source, values = f"built-in task {cfg.task} (no --model-path)", TASK_VALUES[cfg.task]
+    else:
+        source, values = f"model_path={cfg.model_path} (sft.py from the built-in tiny policy)", \
+            recorded_values(cfg.model_path) or {}
+    defaults = {f.name: f.default for f in fields(Config)}
+    return source, {k: v for k, v in values.items() if getattr(cfg, k) == defaults[k]}
 
 
 def with_task_values(cfg: Config, is_main: bool = True) -> Config:
-    """The config a run uses: without --model-path, TASK_VALUES for each field left at its default (printed once,
-    is_main); the task's tools where agent.tools_path is None; out/grpo_calculator where out_dir is the default."""
+    """The config a run uses: task_values for each field left at its default (printed once, is_main); the task's
+    tools where agent.tools_path is None; out/grpo_calculator where out_dir is the default."""
     if cfg.task == "calculator" and cfg.agent.tools_path is None:
         cfg = replace(cfg, agent=replace(cfg.agent, **AGENT))
     if cfg.task != "arith" and cfg.out_dir in ("out/ppo", "out/grpo"):  # the entry points' own: a run of another
         cfg = replace(cfg, out_dir=f"{cfg.out_dir}_{cfg.task}")  # task does not meet the default run's folder
-    if cfg.model_path is not None:
-        return cfg
-    defaults = {f.name: f.default for f in fields(Config)}
-    applied = {k: v for k, v in TASK_VALUES[cfg.task].items() if getattr(cfg, k) == defaults[k]}
+    source, applied = task_values(cfg)
     if applied and is_main:
-        print(f"built-in task {cfg.task} (no --model-path): " + ", ".join(f"{k}={v}" for k, v in applied.items()) +
+        print(f"{source}: " + ", ".join(f"{k}={v}" for k, v in applied.items()) +
               " (its own values; a flag you pass wins)")
     return replace(cfg, **applied)
 
@@ -396,10 +417,8 @@ def check_paths(cfg) -> None:
                                     "folder that from_pretrained reads (this project downloads nothing)")
         with open(os.path.join(path, "config.json")) as f:
             positions = json.load(f).get("max_position_embeddings")
-        context = getattr(cfg, "max_prompt_length", 0) + getattr(cfg, "max_response_length", 0)  # RL configs only
-        if positions is not None and context > positions:
-            raise ValueError(f"max_prompt_length + max_response_length = {context} exceeds {name}'s "
-                             f"max_position_embeddings={positions}: lower them")
+        if isinstance(cfg, Config) and positions is not None:  # RL configs: the lengths the run will use
+            check_context(cfg, name, path, positions)
     for name in ("train_files", "val_files"):
         for path in split_files(getattr(cfg, name)):
             if not os.path.isfile(path):
@@ -408,6 +427,21 @@ def check_paths(cfg) -> None:
     for name, path in (("reward_fn_path", cfg.reward_fn_path), ("agent.tools_path", tools)):
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(f"{name}={path}: no such file")
+
+
+def check_context(cfg: Config, name: str, path: str, positions: int) -> None:
+    """The run's prompt + response budget (after task_values) must fit the positions of the model at path."""
+    applied = task_values(cfg)[1]
+    P, R = (applied.get(k, getattr(cfg, k)) for k in ("max_prompt_length", "max_response_length"))
+    if P + R <= positions:
+        return
+    hint = f"pass --max-prompt-length and --max-response-length that add up to at most {positions}"
+    if not applied and os.path.isfile(os.path.join(path, SFT_RESULT)):  # an sft.py folder with no record
+        tiny = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in BUILTIN_TASK.items())
+        hint += (f"; if sft.py trained it from the built-in tiny policy before it recorded its values, run that sft.py "
+                 f"command again, or pass the built-in task's: {tiny}")
+    raise ValueError(f"max_prompt_length + max_response_length = {P + R} exceeds {name}'s "
+                     f"max_position_embeddings={positions}: {hint}")
 
 
 def split_files(files: str | None) -> list[str]:

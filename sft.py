@@ -12,7 +12,9 @@ them greedily, so RL has a behaviour to select (as RL on an LLM sharpens what th
 The SFT data is a parquet of (prompt, response) rows in verl's or TRL's layouts (sft_keys); the loss covers the
 response tokens and the closing EOS. Evaluation is the RL run's: greedy decoding on `val_files`, scored by the same
 reward dispatch. The best evaluation's model is saved in exactly `out_dir` with `sft_result.json`; a second run of
-the same config on the same data and reward files reuses it (the base model folder is named, not hashed).
+the same config on the same data and reward files reuses it (the base model folder is named, not hashed). Trained
+from the built-in tiny policy, the folder also records the RL values a run from it takes (`rl_values`, applied by
+config.task_values): the tiny policy's lr and batch sizes, and lengths that hold its data.
 """
 
 import hashlib
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from batching import pad
-from config import check_paths, split_files
+from config import SFT_RESULT, TASK_VALUES, check_paths, split_files
 from data import (RLDataset, arith, calculator, default_compute_score, is_message, load_reward_fn, load_tokenizer,
                   score_responses, tokenize_prompt)
 from fileio import sha256
@@ -39,7 +41,6 @@ from transformers import AutoModelForCausalLM
 from transformers import logging as hf_logging
 
 CACHE = "~/.cache/nanoverl/warmstart"  # where out_dir=None puts a run, in a folder named by its config's hash
-RESULT = "sft_result.json"  # written last into a finished model folder: config, inputs' hash, history
 
 
 @dataclass
@@ -242,11 +243,13 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, rew
 def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir: str, habit_pairs=None,
           reward_fn=default_compute_score, inputs_hash: str | None = None, max_steps: int | None = None) -> dict:
     """AdamW on the response loss until stop_accuracy or max_steps (in place of cfg.max_steps); the best evaluation's
-    model (held-out accuracy, or the training loss without val_rows) is saved to out_dir with RESULT. Given
+    model (held-out accuracy, or the training loss without val_rows) is saved to out_dir with SFT_RESULT. Given
     habit_pairs (the built-in task's second teacher), habit_steps more follow from it, and their last step is saved
     (the habit lowers accuracy on purpose)."""
     random.seed(cfg.seed)
-    lengths = [len(tokenizer(r)["input_ids"]) for _, r, _ in pairs] + [
+    examples = encode_pairs(tokenizer, pairs, cfg.max_length)
+    habit_examples = encode_pairs(tokenizer, habit_pairs, cfg.max_length) if habit_pairs else []
+    lengths = [len(ids) - plen - 1 for ids, plen in examples] + [
         len(tokenizer(r["ground_truth"])["input_ids"]) for r in val_rows]
     max_new = max(lengths) + 4  # room for the longest answer and its EOS
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -256,10 +259,10 @@ def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir
     history, best = [], None
     model.train()
 
-    def fit(pairs, max_steps: int, stop_accuracy: float, phase: str) -> int:
-        """Train on pairs, saving each evaluation that beats the best (phase "sft"); returns the steps taken."""
+    def fit(examples, max_steps: int, stop_accuracy: float, phase: str) -> int:
+        """Train on examples, saving each evaluation that beats the best (phase "sft"); returns the steps taken."""
         nonlocal best
-        examples, order, pos, losses = encode_pairs(tokenizer, pairs, cfg.max_length), [], 0, []
+        order, pos, losses = [], 0, []
         bar = tqdm(range(1, max_steps + 1), desc=phase)
         for step in bar:
             if pos + cfg.batch_size > len(order):  # reshuffle each epoch
@@ -288,21 +291,23 @@ def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir
                     break
         return step
 
-    steps = fit(pairs, max_steps or cfg.max_steps, cfg.stop_accuracy, "sft")
+    steps = fit(examples, max_steps or cfg.max_steps, cfg.stop_accuracy, "sft")
     if best is None:
         raise ValueError(f"SFT on {cfg.train_files}: no evaluation had a finite loss (lower --lr?); nothing saved")
     kept = best[1]
-    if habit_pairs and cfg.habit_steps:
+    if habit_examples and cfg.habit_steps:
         if kept is not history[-1]:  # go on from the best model, not the last
             model.load_state_dict(AutoModelForCausalLM.from_pretrained(tmp).state_dict())
         teacher = "sloppy" if cfg.task == "arith" else "occasional tool-calling"
-        steps += fit(habit_pairs, cfg.habit_steps, 0.0, f"sft on the {teacher} teacher")
+        steps += fit(habit_examples, cfg.habit_steps, 0.0, f"sft on the {teacher} teacher")
         kept = history[-1]
         save_model(model, tokenizer, tmp)
     result = {"steps": steps, "best_phase": kept["phase"], "best_step": kept["step"], "loss": kept["loss"],
               "val/accuracy": kept.get("val/accuracy"), "config": asdict(cfg), "inputs_sha256": inputs_hash,
               "history": history}
-    with open(os.path.join(tmp, RESULT), "w") as f:
+    if cfg.model_path is None:  # the built-in tiny policy: an RL run from this folder takes these (config.task_values)
+        result["rl_values"] = tiny_rl_values(cfg.task, examples + habit_examples, val_rows)
+    with open(os.path.join(tmp, SFT_RESULT), "w") as f:
         json.dump(result, f, indent=1)
     old = out_dir + ".old"  # the previous result, set aside until the new one is in place
     shutil.rmtree(old, ignore_errors=True)
@@ -311,6 +316,17 @@ def train(cfg: SFTConfig, model, tokenizer, pairs, val_rows: list[dict], out_dir
     os.replace(tmp, out_dir)  # a half-trained model never sits at out_dir
     shutil.rmtree(old, ignore_errors=True)
     return result
+
+
+def tiny_rl_values(task: str, examples, val_rows: list[dict]) -> dict:
+    """The RL values of the built-in tiny policy trained on these examples: the built-in task's (config.TASK_VALUES),
+    the prompt and response lengths raised where its data holds longer ones (the longest prompt, SFT's or held-out,
+    and the longest response with its EOS)."""
+    values = dict(TASK_VALUES[task])
+    longest_prompt = max([plen for _, plen in examples] + [len(r["prompt_ids"]) for r in val_rows])
+    values["max_prompt_length"] = max(values["max_prompt_length"], longest_prompt)
+    values["max_response_length"] = max(values["max_response_length"], max(len(ids) - plen for ids, plen in examples))
+    return values
 
 
 def save_model(model, tokenizer, folder: str) -> None:
@@ -331,17 +347,19 @@ def builtin_files(cfg: SFTConfig, root: str) -> tuple[str, str]:
 def cached(out_dir: str, config: dict, inputs_hash: str) -> bool:
     """True when out_dir holds a finished SFT of this config on these inputs; an out_dir that is not an SFT result
     is refused, so a user's folder is never replaced."""
-    path = os.path.join(out_dir, RESULT)
+    path = os.path.join(out_dir, SFT_RESULT)
     if not os.path.exists(path):
         if os.path.isdir(out_dir) and os.listdir(out_dir):
-            raise FileExistsError(f"out_dir={out_dir} holds files but no {RESULT}: it is not a folder sft.py wrote, "
-                                  "so it is not replaced; pick another --out-dir or remove it")
+            raise FileExistsError(f"out_dir={out_dir} holds files but no {SFT_RESULT}: it is not a folder sft.py "
+                                  "wrote, so it is not replaced; pick another --out-dir or remove it")
         return False
     with open(path) as f:
         old = json.load(f)
     changed = [k for k, v in config.items() if old.get("config", {}).get(k) != v]
     if old.get("inputs_sha256") != inputs_hash:
         changed.insert(0, "data or reward files")
+    if config["model_path"] is None and "rl_values" not in old:
+        changed.append("sft.py (an older one, which recorded no rl_values)")
     if changed:
         print(f"{out_dir} was trained with other {', '.join(changed)}: training again")
     return not changed
@@ -350,7 +368,7 @@ def cached(out_dir: str, config: dict, inputs_hash: str) -> bool:
 def run(cfg: SFTConfig) -> str:
     """Train as configured (or reuse a finished run of this config on these inputs); return the model folder:
     exactly cfg.out_dir, or the cache folder of this config."""
-    config = json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "out_dir"}))  # as RESULT stores it
+    config = json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "out_dir"}))  # as SFT_RESULT stores it
     key = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
     # normpath: "out/sft/" must not put the .tmp and .data folders inside out/sft
     out_dir = os.path.normpath(os.path.expanduser(cfg.out_dir or os.path.join(CACHE, key)))

@@ -202,3 +202,37 @@ def test_an_empty_val_file_is_named_not_skipped(small_task):
     pd.read_parquet(small_task.val_files).iloc[:0].to_parquet(small_task.val_files)
     with pytest.raises(ValueError, match=r"val_files=.*val.parquet: no rows to evaluate on"):
         run(small_task)
+
+
+def test_a_tiny_policys_folder_records_its_rl_values_and_rl_takes_them(small_task, capsys):
+    """sft.py from the built-in tiny policy records the values RL should use (config.task_values); RL from that folder
+    applies them to the fields left at their defaults, printed once; a fine-tune of a model you bring records none,
+    so verl's defaults stay and their lengths are refused by name, with the flags to pass; an older sft.py's folder
+    (no record) is named as such and trained again."""
+    from config import BUILTIN_TASK, Config, with_task_values
+
+    cfg = replace(small_task, max_steps=20)
+    run(cfg)
+    result = json.load(open(os.path.join(cfg.out_dir, "sft_result.json")))
+    assert result["rl_values"] == BUILTIN_TASK  # 1-digit sums fit the built-in task's 32 + 8 tokens
+    assert sft.tiny_rl_values("arith", [(list(range(50)), 40)], [{"prompt_ids": [0] * 45}]) == dict(
+        BUILTIN_TASK, max_prompt_length=45, max_response_length=10)  # the data's longest prompt, response + EOS
+    capsys.readouterr()
+    rl = with_task_values(Config(model_path=cfg.out_dir, lr=1e-3))
+    assert rl.lr == 1e-3 and (rl.max_prompt_length, rl.max_response_length, rl.train_batch_size) == (32, 8, 32)
+    printed = capsys.readouterr().out
+    assert printed.count(f"model_path={cfg.out_dir} (sft.py from the built-in tiny policy): critic_lr=0.001") == 1
+    assert "lr=0.001," not in printed.replace("critic_lr", "")  # the flag passed wins, and is not listed
+    tuned = run(replace(cfg, model_path=cfg.out_dir, out_dir=cfg.out_dir + "-tuned"))  # a model "you bring"
+    assert "rl_values" not in json.load(open(os.path.join(tuned, "sft_result.json")))
+    with pytest.raises(ValueError, match="1536 exceeds model_path's max_position_embeddings=512: pass "
+                                         "--max-prompt-length and --max-response-length that add up to at most 512"):
+        Config(model_path=tuned)
+    del result["rl_values"]  # what an older sft.py wrote
+    open(os.path.join(cfg.out_dir, "sft_result.json"), "w").write(json.dumps(result))
+    with pytest.raises(ValueError, match="run that sft.py command again, or pass the built-in task's: --lr 0.0002 "
+                                         "--critic-lr 0.001 --max-prompt-length 32 --max-response-length 8"):
+        Config(model_path=cfg.out_dir)
+    run(cfg)
+    assert "(an older one, which recorded no rl_values): training again" in capsys.readouterr().out
+    assert json.load(open(os.path.join(cfg.out_dir, "sft_result.json")))["rl_values"] == BUILTIN_TASK
