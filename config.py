@@ -40,11 +40,27 @@ class AsyncConfig:
     score_chunks: int = 4
     """With a rollout pool: each worker generates its share in this many calls, and each is scored (a Ray task)
     as soon as it finishes, while the next generates."""
+    behav_imp_weight_cap: float | None = 2.0
+    """With staleness >= 1, decoupled PPO (AReaL, Fu et al. 2025): the clipped ratio is taken against the proximal
+    policy (the old log-probs, recomputed with the trainer's weights) and each token's loss is weighted by
+    pi_prox / pi_behav (the weights that sampled it), truncated at this cap (AReaL's name; verl's rollout_is_threshold
+    is 2); async/is_weight/mean|max report it. None: off. tis_cap, where set, takes its place."""
+    sync_timeout_s: float = 300.0
+    """With a rollout pool: seconds the weight sync's broadcast may wait for an engine; a dead or hung engine is then
+    named and the pool replaced (its old sync group aborted first), while the trainer goes on."""
 
     def __post_init__(self):
         if self.rollout_workers < 0 or self.staleness < 0 or self.score_chunks < 1:
             raise ValueError(f"async.rollout_workers={self.rollout_workers} and async.staleness={self.staleness} must "
                              f"be >= 0, async.score_chunks={self.score_chunks} >= 1")
+        if self.staleness > 1:  # the pool takes weights only once its queued requests are done (RolloutPool._sync)
+            raise ValueError(f"async.staleness={self.staleness}: the rollout pool's engines take new weights only "
+                             "between requests, after every batch already started, so a bound above 1 adds "
+                             "staleness without more overlap; use 1 (one-step-off) or 0")
+        if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 0:
+            raise ValueError(f"async.behav_imp_weight_cap={self.behav_imp_weight_cap} must be > 0 (None: off)")
+        if self.sync_timeout_s <= 0:
+            raise ValueError(f"async.sync_timeout_s={self.sync_timeout_s} must be > 0")
 
 
 @dataclass
@@ -136,9 +152,10 @@ class Config:
     overlong_penalty_factor: float = 1.0
     """The overlong punishment at max_response_length."""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: drop prompt groups whose rewards are all equal (no gradient) and sample more prompts,
-    in rounds, until the step holds train_batch_size informative groups (or max_gen_rounds ran: then dropped
-    groups fill the rest, counted in dynamic/filled_groups)."""
+    """DAPO's dynamic sampling: drop prompt groups whose verifier scores are all equal (no gradient; before the
+    overlong shaping) and sample more prompts, in rounds, until the step holds train_batch_size informative groups
+    (or max_gen_rounds ran: then dropped groups fill the rest, left out of the policy loss and counted in
+    dynamic/filled_groups)."""
     max_gen_rounds: int = 4
     """dynamic_sampling: generation rounds a step may take at most."""
     mask_truncated: bool = False
@@ -349,6 +366,17 @@ class Config:
         if self.old_log_probs != "auto":
             return self.old_log_probs
         return "recompute" if self._update_is_inexact() else "update"
+
+    @property
+    def behaviour_weight(self) -> tuple[str, float] | None:
+        """(kind, cap) of the pi_old / pi_rollout weight on each token's policy loss: ("tis", tis_cap) where set (the
+        engine-trainer gap); else, for samples that may come from older weights (a rollout pool with staleness >= 1,
+        old log-probs recomputed: the proximal policy), ("decoupled", async.behav_imp_weight_cap); else None."""
+        if self.tis_cap is not None:
+            return "tis", self.tis_cap
+        stale = self.async_.rollout_workers and self.async_.staleness and self.old_log_probs_from == "recompute"
+        cap = self.async_.behav_imp_weight_cap
+        return ("decoupled", cap) if stale and cap is not None else None
 
     @property
     def lora(self) -> tuple[int, float, str] | None:

@@ -92,14 +92,17 @@ def tis_weights(old_logp, rollout_logp, mask, cap: float, level: str = "token") 
     """Truncated importance sampling (Yao et al. 2025): per-token weights [B, R] = min(pi_old / pi_rollout, cap), no
     gradient. The engine samples from slightly other probabilities than the trainer's (other kernels, dtype): this
     reweights its samples toward the trainer's old policy, truncated so that rare tokens cannot blow up the loss.
-    level "sequence": one weight a response, min(prod over its tokens of pi_old / pi_rollout, cap), on each token."""
+    level "sequence": one weight a response, min(prod over its tokens of pi_old / pi_rollout, cap), on each token.
+    The same weight corrects stale samples (decoupled PPO, Fu et al. 2025 (AReaL)): pi_old is then the proximal policy
+    (recomputed with the trainer's weights), pi_rollout the behaviour policy (older weights that sampled). Returns
+    (weights, their mean and max and the share truncated, 0-d tensors: the caller names them)."""
     log_ratio = masked(old_logp - rollout_logp, mask)  # [B, R]
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)  # [B, R]: the response's log-ratio
     ratio = log_ratio.clamp(max=20.0).exp()  # [B, R], clamped so exp cannot overflow
     weights = masked(ratio.clamp(max=cap), mask).detach()  # [B, R], 0 at padding
-    return weights, {"actor/tis_weight_mean": masked_mean(weights, mask).detach(),
-                     "actor/tis_clipfrac": masked_mean((ratio > cap).float(), mask).detach()}
+    return weights, {"weight_mean": masked_mean(weights, mask).detach(), "weight_max": weights.max(),
+                     "clipfrac": masked_mean((ratio > cap).float(), mask).detach()}
 
 
 def rollout_mask(old_logp, rollout_logp, mask, level: str, low: float, high: float) -> tuple[torch.Tensor, dict]:

@@ -194,7 +194,7 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
                 all_sum=controller.all_sum)  # [B, R] each
 
         # ==================== 4b. the policy loss's tokens: rollout correction, overlong filtering ====================
-        if cfg.rollout_mask or cfg.mask_truncated:
+        if cfg.rollout_mask or cfg.mask_truncated or cfg.dynamic_sampling:
             eos = run.task.tokenizer.eos_token_id
             batch["loss_mask"], mask_metrics = policy_loss_mask(batch, cfg, eos)  # [B, R]
             metrics.update(mask_metrics)
@@ -265,6 +265,7 @@ def generate_and_score(step: int, rows: list[dict], run: Run, metrics: dict, see
     if cfg.overlong_buffer_len:  # DAPO: long responses lose reward softly before the hard limit
         penalty = overlong_penalty(response_lengths(batch), cfg.max_response_length, cfg.overlong_buffer_len,
                                    cfg.overlong_penalty_factor)  # [B]
+        batch["acc"] = batch["scores"]  # [B] the verifier's, which dynamic sampling's filter reads
         batch["scores"] = batch["scores"] + penalty
         round_metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
     for k, v in round_metrics.items():  # times add up over dynamic sampling's rounds; the rest is the last round's
@@ -273,10 +274,12 @@ def generate_and_score(step: int, rows: list[dict], run: Run, metrics: dict, see
 
 
 def rollout_and_score(step: int, rows: list[dict], run: Run, metrics: dict) -> TensorDict:
-    """The step's scored batch. With dynamic_sampling (DAPO) a group whose rewards are all equal carries no gradient:
-    such groups are dropped and further prompts sampled, in rounds that every rank runs together, until every rank
-    holds len(rows) informative groups or max_gen_rounds have run (the rest is then filled with dropped groups).
-    A round's prompts and seeds follow (seed, step, round), so a resumed step replays them."""
+    """The step's scored batch. With dynamic_sampling (DAPO) a group whose verifier scores are all equal carries no
+    gradient: such groups are dropped and further prompts sampled, in rounds that every rank runs together, until
+    every rank holds len(rows) informative groups or max_gen_rounds have run. Then dropped groups fill the rest to
+    keep the batch's shape, marked "filler" [B] (1.0): the policy loss leaves them out (policy_loss_mask), so they
+    neither train nor count in its token and sequence totals; dynamic/filled_groups counts them. A round's prompts
+    and seeds follow (seed, step, round), so a resumed step replays them."""
     cfg, controller, n = run.cfg, run.controller, run.cfg.rollout_n
     batch = generate_and_score(step, rows, run, metrics)
     if not cfg.dynamic_sampling:
@@ -284,9 +287,7 @@ def rollout_and_score(step: int, rows: list[dict], run: Run, metrics: dict) -> T
     kept, dropped, rounds = [], [], 0
     while True:
         rounds += 1
-        spread = batch["scores"].view(-1, n)  # [groups, n]
-        informative = spread.max(-1).values > spread.min(-1).values  # [groups]
-        for g, good in enumerate(informative.tolist()):
+        for g, good in enumerate(informative_groups(batch, n).tolist()):
             (kept if good else dropped).append(batch[g * n : (g + 1) * n])
         short = controller.all_max([max(0, len(rows) - len(kept))])[0]  # the rank that lacks the most groups
         if short == 0 or rounds == cfg.max_gen_rounds:
@@ -299,7 +300,17 @@ def rollout_and_score(step: int, rows: list[dict], run: Run, metrics: dict) -> T
     filled = max(0, len(rows) - len(kept))
     metrics.update({"dynamic/rounds": rounds, "dynamic/kept_groups": Sum(min(len(kept), len(rows))),
                     "dynamic/dropped_groups": Sum(len(dropped)), "dynamic/filled_groups": Sum(filled)})
-    return repad(kept[: len(rows)] + dropped[:filled], controller, run.task.tokenizer.pad_token_id)
+    groups = kept[: len(rows)] + dropped[:filled]
+    for i, group in enumerate(groups):
+        group["filler"] = torch.full((n,), float(i >= len(rows) - filled))  # [n]
+    return repad(groups, controller, run.task.tokenizer.pad_token_id)
+
+
+def informative_groups(batch: TensorDict, n: int) -> torch.Tensor:
+    """[groups] True where a group's verifier scores differ (DAPO's filter; verl's reads the accuracy): before the
+    overlong shaping ("acc"), which alone would make an all-wrong group of differing lengths look informative."""
+    acc = (batch["acc"] if "acc" in batch.keys() else batch["scores"]).view(-1, n)  # [groups, n]
+    return acc.max(-1).values > acc.min(-1).values
 
 
 def repad(groups: list[TensorDict], controller, pad_id: int) -> TensorDict:
@@ -313,8 +324,11 @@ def repad(groups: list[TensorDict], controller, pad_id: int) -> TensorDict:
 
 def policy_loss_mask(batch: TensorDict, cfg: Config, eos_id: int) -> tuple[torch.Tensor, dict]:
     """The response tokens [B, R] the policy loss counts: without those rollout correction rejects
-    (core_algos.rollout_mask) and, with mask_truncated, without responses cut at max_response_length (no EOS)."""
+    (core_algos.rollout_mask), with mask_truncated without responses cut at max_response_length (no EOS), and
+    without dynamic sampling's filler groups (rollout_and_score)."""
     mask, metrics = batch["response_mask"], {}
+    if "filler" in batch.keys():
+        mask = mask * (1 - batch["filler"]).unsqueeze(-1)  # [B, R]
     if cfg.rollout_mask:
         mask, metrics = rollout_mask(batch["old_log_probs"], batch["rollout_log_probs"], mask, cfg.rollout_mask,
                                      cfg.rollout_mask_low, cfg.rollout_mask_high)

@@ -608,8 +608,10 @@ def check(cfg: Config, rc: RayConfig) -> None:
                              f"{cfg.ppo_mini_batch_size} must divide by {name}={n}")
     if cfg.rollout_backend == "hf" and rc.workers > 1 and not cfg.async_.rollout_workers:
         raise ValueError("rollout_backend='hf' runs in one process only; use 'vllm' with several workers")
-    if cfg.async_.rollout_workers and cfg.rollout_tp > 1:
-        raise ValueError(f"rollout_tp={cfg.rollout_tp}: the rollout pool's engines run one a device (rollout_tp 1)")
+    if cfg.rollout_tp > 1:  # an engine sharded over a worker group's ranks has not been run on the Ray controller
+        raise ValueError(f"rollout_tp={cfg.rollout_tp}: the Ray controller's engines (colocated or a rollout pool's) "
+                         "run one a worker (rollout_tp 1); a tensor-parallel engine runs under torchrun "
+                         "(torchrun --nproc_per_node=N grpo.py --rollout-tp K)")
 
 
 def train(rc_all: RayTrainerConfig) -> list[dict]:

@@ -43,6 +43,11 @@ from sharding import (DTYPES, cast_dtype, clip_grad_norm, export_hf, full_weight
                       move_model, placed, save_sharded, weight_buckets)
 
 
+# the pi_old / pi_rollout weight's mean, max and truncated share, by Config.behaviour_weight's kind
+WEIGHT_METRICS = {"tis": ("actor/tis_weight_mean", "actor/tis_weight_max", "actor/tis_clipfrac"),
+                  "decoupled": ("async/is_weight/mean", "async/is_weight/max", "async/is_weight/clipfrac")}
+
+
 # ---- The batch and the forward passes over it -----------------------------------------------------
 
 
@@ -521,8 +526,12 @@ class ActorWorker(Worker):
             maxima["rollout/logprob_diff_max"] = diff.max()
             gap = {"rollout/logprob_diff_mean": diff.sum() / real.sum().clamp(min=1)}
         tis, tis_metrics = None, {}
-        if cfg.tis_cap is not None:
-            tis, tis_metrics = tis_weights(old, micro["rollout_log_probs"], mask, cfg.tis_cap, cfg.tis_level)
+        if cfg.behaviour_weight is not None:  # tis_cap, or decoupled PPO's pi_prox / pi_behav for stale samples
+            kind, cap = cfg.behaviour_weight
+            tis, stats = tis_weights(old, micro["rollout_log_probs"], mask, cap, cfg.tis_level)
+            mean, top, clipfrac = WEIGHT_METRICS[kind]
+            tis_metrics = {mean: stats["weight_mean"], clipfrac: stats["clipfrac"]}
+            maxima[top] = stats["weight_max"]
         pg_loss, means = policy_loss(logp, old, micro["advantages"], mask, cfg.clip_ratio_low,
                                      cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, tis, **agg_kw)
         ent = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg_kw)

@@ -9,6 +9,8 @@ Devices: on CPU each worker is bound to a core of its own (ray.pin_cores), so tw
   split          one trainer worker and one generation-only engine (async.rollout_workers 1), staleness 0: each
                  batch waits for the previous update's weights
   one-step-off   the same pools, staleness 1: batch k+1 generates while the trainer updates on batch k
+  staleness 2    refused by config.AsyncConfig, whose message is printed: the pool takes new weights only between
+                 requests, after every batch already started, so it would add staleness and no overlap
 Sizes: "default" is python grpo.py's run (the 1M-parameter warm start, 32 prompts x 8, a few tokens each: the
 trainer's work is about twice the generation's); "gen" is generation-bound: the same policy, 8 prompts x 4, every
 response forced to 256 tokens (--ignore-eos), one optimizer step a step (bench/step.py's 25M "gen" size is
@@ -92,6 +94,10 @@ def main(bench: BenchConfig) -> None:
         runs = {mode: run_mode(size, mode, bench) for mode in MODES}
         print(f"\nGRPO steps on {os.cpu_count()} CPU cores, one a worker; means of steps 2..{bench.steps}")
         report(size, runs)
+    try:
+        AsyncConfig(rollout_workers=1, staleness=2)
+    except ValueError as refused:
+        print(f"\nstaleness 2 (split pools): refused: {refused}")
 
 
 if __name__ == "__main__":

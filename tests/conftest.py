@@ -60,9 +60,11 @@ def tiny_rl_setup(tmp_path_factory, byte_tokenizer) -> dict:
 
 # The PPO run on 2 torchrun ranks that tests/test_spmd.py (1 process, a resumed copy, a rank that dies) and
 # tests/test_ray.py (the Ray driver, critic apart) compare against: a critic, a LoRA actor, and an adaptive KL
-# coefficient in the reward (to the adapters-off base), a checkpoint every step.
+# coefficient in the reward (to the adapters-off base), a checkpoint every step; its rollout engine is one vLLM
+# engine sharded over both ranks (rollout_tp 2), which every run compared with it is not (one engine a rank).
 PPO_TWO_RANKS = dict(adv_estimator="gae", total_steps=2, ckpt_every=1, lora_rank=4, lora_alpha=8, lr=2e-2,
                      use_kl_in_reward=True, kl_ctrl_type="adaptive", kl_horizon=100)
+ROLLOUT_TP = dict(rollout_tp=2)  # ppo_two_ranks' own: a resumed or replayed run leaves it out
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +73,7 @@ def ppo_two_ranks(tiny_rl_setup, tmp_path_factory):
     one that resumes it does so in a copy."""
     from test_spmd import args, launch  # the tests' launcher (the test files import conftest, not the reverse)
     out = tmp_path_factory.mktemp("ppo_two_ranks")
-    launch(args(tiny_rl_setup, out, **PPO_TWO_RANKS), out / "log", ranks=2, script="ppo.py")
+    launch(args(tiny_rl_setup, out, **PPO_TWO_RANKS, **ROLLOUT_TP), out / "log", ranks=2, script="ppo.py")
     return out
 
 

@@ -259,14 +259,14 @@ def test_tis_weights_are_zero_at_padding():
     mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
     weights, metrics = tis_weights(old, rollout, mask, cap=2.0)
     assert weights.tolist() == [[approx(math.exp(0.5)), 0.0], [1.0, 0.0]]
-    assert metrics["actor/tis_clipfrac"] == 0.0
+    assert metrics["clipfrac"] == 0.0
 
 
 def test_tis_weights_by_hand():
     weights, metrics = tis_weights(TIS_OLD, TIS_ROLLOUT, TIS_MASK, cap=2.0)
     assert weights[0, :3].tolist() == approx([0.5, 2.0, 1.0])
-    assert metrics["actor/tis_weight_mean"] == approx((0.5 + 2.0 + 1.0) / 3)  # padding (10 -> 2) left out
-    assert metrics["actor/tis_clipfrac"] == approx(1 / 3)
+    assert metrics["weight_mean"] == approx((0.5 + 2.0 + 1.0) / 3)  # padding (10 -> 2) left out
+    assert metrics["weight_max"] == 2.0 and metrics["clipfrac"] == approx(1 / 3)
 
 
 def test_tis_weights_multiply_token_losses():

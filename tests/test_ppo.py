@@ -15,7 +15,7 @@ from tensordict import TensorDict
 
 from comm import init_distributed, timer
 from conftest import toy_config
-from config import Config
+from config import AsyncConfig, Config
 from core_algos import AggMode, grpo_advantages
 from hybrid_engine import HybridConfig
 from perf import OutOfMemory, model_shape, peak_flops
@@ -114,6 +114,7 @@ def test_tis_weights_reach_the_update(model_path):
     weights = offsets.exp().clamp(max=2.0) * mask  # [B, R]
     assert metrics["actor/tis_clipfrac"] == pytest.approx(((offsets == 1.5) * mask).sum().item() / mask.sum().item())
     assert metrics["actor/tis_weight_mean"] == pytest.approx(weights.sum().item() / mask.sum().item(), rel=1e-5)
+    assert metrics["actor/tis_weight_max"] == pytest.approx(2.0)
     results = {}
     for name, advantages in (("weighted", batch["advantages"] * weights), ("raw", batch["advantages"])):
         plain = ActorWorker(replace(cfg, tis_cap=None), model_path, init_distributed())
@@ -125,6 +126,44 @@ def test_tis_weights_reach_the_update(model_path):
     assert max((tis[k] - results["raw"][k]).abs().max().item() for k in tis) > 1e-4, "TIS changed nothing"
     with pytest.raises(ValueError, match="tis_cap"):
         Config(tis_cap=0.0)
+
+
+def test_stale_samples_get_the_decoupled_weight_by_default(model_path):
+    """A rollout pool with staleness 1, no flag: the behaviour policy (older weights) sampled, the old log-probs are
+    the proximal policy's (recomputed), and each token's loss is weighted by min(pi_prox / pi_behav, 2) (decoupled
+    PPO): the update equals plain PPO's on advantages times those weights, by hand, with async/is_weight/mean|max;
+    async.behav_imp_weight_cap None turns it off (plain PPO on the raw advantages); staleness 0 needs none."""
+    base = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                      ppo_mini_batch_size=4, max_response_length=6)
+    batch = make_batch(ActorWorker(base, model_path, init_distributed()))
+    mask = batch["response_mask"]
+    offsets = torch.tensor([-1.0, 0.5, 1.5]).repeat(mask.shape[1])[: mask.shape[1]]  # [R]: log pi_prox - log pi_behav
+    batch["rollout_log_probs"] = (batch["old_log_probs"] - offsets) * mask
+    weights = offsets.exp().clamp(max=2.0) * mask  # [B, R]
+    stale = replace(base, async_=AsyncConfig(rollout_workers=1, staleness=1))
+    assert stale.old_log_probs_from == "recompute" and stale.behaviour_weight == ("decoupled", 2.0)
+    assert replace(base, async_=AsyncConfig(rollout_workers=1, staleness=0)).behaviour_weight is None
+    results = {}
+    for name, cfg, advantages in (("decoupled", stale, batch["advantages"]),
+                                  ("off", replace(stale, async_=replace(stale.async_, behav_imp_weight_cap=None)),
+                                   batch["advantages"]),
+                                  ("weighted", base, batch["advantages"] * weights), ("raw", base, batch["advantages"])):
+        worker = ActorWorker(cfg, model_path, init_distributed())  # a pool's trainer has no engine of its own
+        metrics = worker.update(batch.clone().set("advantages", advantages))
+        results[name] = metrics, params(worker)
+    metrics = results["decoupled"][0]
+    assert metrics["async/is_weight/mean"] == pytest.approx(weights.sum().item() / mask.sum().item(), rel=1e-5)
+    assert metrics["async/is_weight/max"] == pytest.approx(2.0)
+    assert metrics["async/is_weight/clipfrac"] == pytest.approx(((offsets == 1.5) * mask).sum().item() / mask.sum().item())
+    assert "async/is_weight/mean" not in results["off"][0]
+    for got, expected in (("decoupled", "weighted"), ("off", "raw")):
+        for k, v in results[got][1].items():
+            torch.testing.assert_close(v, results[expected][1][k], atol=1e-6, rtol=1e-5)
+    assert max((results["decoupled"][1][k] - v).abs().max().item() for k, v in results["raw"][1].items()) > 1e-4
+    with pytest.raises(ValueError, match="async.staleness=2: the rollout pool's engines take new weights only"):
+        AsyncConfig(rollout_workers=1, staleness=2)
+    with pytest.raises(ValueError, match="async.behav_imp_weight_cap=0.0 must be > 0"):
+        AsyncConfig(behav_imp_weight_cap=0.0)
 
 
 def test_old_log_probs_from_the_update_or_the_engine_match_the_recomputed(model_path):

@@ -24,7 +24,7 @@ from test_spmd import args, launch
 
 from conftest import PPO_TWO_RANKS, toy_config
 from config import AsyncConfig, Config
-from ray_trainer import RayConfig, RayTrainerConfig, train
+from ray_trainer import RayConfig, RayTrainerConfig, check, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
@@ -104,6 +104,13 @@ def test_a_worker_that_keeps_dying_stops_the_run(tiny_rl_setup, tmp_path):
                                            r"step 1 completed: actor.generate: "
                                            r"rank 0 died"):
         train(RayTrainerConfig(config(tiny_rl_setup, tmp_path, rollout_backend="hf"), rc))
+
+
+def test_rollout_tp_is_refused_by_name_on_the_ray_controller(tiny_rl_setup, tmp_path):
+    """A tensor-parallel engine runs under torchrun (test_spmd.py); the driver refuses it before any worker starts."""
+    for rc in (RayConfig(workers=2), RayConfig(workers=1)):
+        with pytest.raises(ValueError, match="rollout_tp=2: the Ray controller's engines .* run one a worker"):
+            check(config(tiny_rl_setup, tmp_path, rollout_tp=2), rc)
 
 
 def test_ray_ppo_split_equals_torchrun(tiny_rl_setup, ppo_two_ranks, tmp_path):

@@ -10,6 +10,8 @@
   process: the same actor and critic, and the KL coefficient continues its recursion.
 - When a rank dies (os._exit) after a checkpoint, the other exits with an error that names it, and the same command
   resumes from that checkpoint and replays the uninterrupted run: same per-step metrics, same final parameters.
+  That run has one vLLM engine a rank, the uninterrupted one a single engine sharded over both (rollout_tp 2): the
+  same samples, losses and grad norms, every sync into the sharded engine verified.
   When a rank hangs, the other names it after dist_timeout_s. (tests/dist_rank_fault.py injects the faults.)
 - Dynamic sampling fills 1 process and 2 ranks alike with informative groups (the 2 ranks: the first step of the
   run in which a rank then hangs).
@@ -178,18 +180,24 @@ def run_with_fault(argv: list[str], log_path, fault: str, timeout_s: int, meanwh
 REPLAYED = ("actor/", "critic/", "val/", "response_length/")
 
 
-def test_dead_rank_is_named_and_the_same_command_resumes_exactly(tiny_rl_setup, ppo_two_ranks, tmp_path):
-    """PPO_TWO_RANKS's run, but rank 1 exits hard (os._exit) at the start of step 2, after step 1's checkpoint: rank 0
-    names it and stops; the same command resumes from step 1 and replays the uninterrupted run (conftest's
-    ppo_two_ranks): the same per-step metrics, the same final actor and critic."""
-    out = tmp_path / "out"
-    argv = args(tiny_rl_setup, out, **PPO_TWO_RANKS, dist_timeout_s=60)
-    log = run_with_fault(argv, tmp_path / "fault.log", "1:2:exit", timeout_s=60)
+@pytest.fixture(scope="module")
+def dead_rank(tiny_rl_setup, tmp_path_factory):
+    """PPO_TWO_RANKS's run with one engine a rank, in which rank 1 exits hard (os._exit) at the start of step 2,
+    after step 1's checkpoint, and the same command then resumes it: (its folder, the fault's log, the resume's)."""
+    root = tmp_path_factory.mktemp("dead_rank")
+    argv = args(tiny_rl_setup, root / "out", **PPO_TWO_RANKS, dist_timeout_s=60)
+    log = run_with_fault(argv, root / "fault.log", "1:2:exit", timeout_s=60)
+    died_before_final = not (root / "out" / "final").exists()
+    launch(argv, root / "resume.log", ranks=2, script="tests/dist_rank_fault.py")  # no fault this time
+    return root / "out", log, open(root / "resume.log").read(), died_before_final
+
+
+def test_dead_rank_is_named_and_the_same_command_resumes_exactly(ppo_two_ranks, dead_rank):
+    """Rank 0 names the dead rank and stops; the same command resumes from step 1 and replays the uninterrupted run
+    (conftest's ppo_two_ranks): the same per-step metrics, the same final actor and critic."""
+    out, log, resumed, died_before_final = dead_rank
     assert "RankFailure: rank 0 stops: rank 1 died" in log, log[-3000:]
-    assert "Run the same command again to resume" in log
-    assert not (out / "final").exists()
-    launch(argv, tmp_path / "resume.log", ranks=2, script="tests/dist_rank_fault.py")  # no fault this time
-    resumed = open(tmp_path / "resume.log").read()
+    assert "Run the same command again to resume" in log and died_before_final
     assert "resumed from" in resumed and "step_1" in resumed, resumed[-3000:]
     a, b = records(ppo_two_ranks), records(out)
     assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2]
@@ -200,6 +208,21 @@ def test_dead_rank_is_named_and_the_same_command_resumes_exactly(tiny_rl_setup, 
             assert ra[key] == pytest.approx(rb[key], abs=1e-6), (ra["step"], key)
     for folder in ("final", "critic"):
         weights_equal(*(load_file(os.path.join(d, folder, "model.safetensors")) for d in (out, ppo_two_ranks)))
+
+
+def test_rollout_tp_2_samples_and_trains_as_one_engine_per_rank(ppo_two_ranks, dead_rank):
+    """ppo_two_ranks generates with one vLLM engine sharded over both ranks (rollout_tp 2: each rank's prompts
+    gathered, generated together, each rank keeping its own), the dead-rank run's step 1 with one engine a rank:
+    the same samples (lengths, rewards), the same losses and grad norms, and every sync into the sharded engine
+    verified (checksums, and its probe log-probs within verify_tol of the trainer's)."""
+    assert json.load(open(ppo_two_ranks / "config.json"))["rollout_tp"] == 2
+    tp, per_rank = records(ppo_two_ranks)[1], records(dead_rank[0])[1]
+    for key in ("response_length/mean", "response_length/max", "critic/score/mean", "critic/score/min",
+                "critic/score/max", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm",
+                "actor/reward_kl_penalty"):
+        assert tp[key] == pytest.approx(per_rank[key], abs=1e-6), key
+    for r in records(ppo_two_ranks)[1:]:
+        assert 0 <= r["reshard/probe_logprob_diff_max"] <= 1e-4, r["reshard/probe_logprob_diff_max"]
 
 
 MIXED_REWARD = """

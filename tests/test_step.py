@@ -12,14 +12,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tensordict import TensorDict
 from transformers import AutoTokenizer
 
 from comm import init_distributed
 from conftest import toy_config
 from config import BUILTIN_TASK, Config, with_task_values
-from core_algos import on_last_token
+from core_algos import on_last_token, overlong_penalty
 from data import checked_score, load_tokenizer
-from ppo import Run, TorchrunController, check_out_dir, load_task, prompt_indices, rl_step, train
+from ppo import Run, TorchrunController, check_out_dir, informative_groups, load_task, prompt_indices, rl_step, train
 from tracking import step_warnings
 from rollout import sample_seed
 from sharding import find_latest, prune_checkpoints
@@ -153,6 +154,29 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tiny_rl_setup,
     rerun = Run(cfg, task, ActorWorker(cfg, cfg.model_path, dist), None, TorchrunController(dist))
     again = rl_step(1, rows, rerun, 0.0)[1]
     assert again["index"].tolist() == batch["index"].tolist() and (again["responses"] == batch["responses"]).all()
+    assert (batch["filler"] == 0).all() and torch.equal(batch["loss_mask"], batch["response_mask"])
+    # one round only: dropped groups fill the batch, named as filler, and the policy loss leaves them out
+    short = replace(cfg, max_gen_rounds=1)
+    metrics, batch, _ = rl_step(1, rows, Run(short, task, ActorWorker(short, cfg.model_path, dist), None,
+                                             TorchrunController(dist)), 0.0)
+    filler = batch["filler"].bool()  # [B]
+    assert metrics["dynamic/filled_groups"] == filler.sum().item() / cfg.rollout_n > 0 and metrics["dynamic/rounds"] == 1
+    assert (batch["loss_mask"][filler] == 0).all() and torch.equal(batch["loss_mask"][~filler],
+                                                                     batch["response_mask"][~filler])
+    spread = batch["scores"][filler].view(-1, cfg.rollout_n)  # the fillers: groups of equal rewards
+    assert (spread.max(-1).values == spread.min(-1).values).all()
+
+
+def test_dapos_filter_reads_the_verifiers_scores_not_the_overlong_shaping():
+    """An all-wrong group whose lengths differ gets differing scores from the overlong penalty: it is still no
+    signal, and dynamic sampling drops it (the filter reads the verifier's scores, "acc"); a mixed group stays."""
+    n, lengths = 4, torch.tensor([3, 6, 5, 2, 3, 6, 5, 2])  # 2 groups of 4; max 6 tokens, a buffer of 2
+    acc = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    scores = acc + overlong_penalty(lengths, 6, 2, 1.0)  # [B]: the first group's scores now differ (0, -1, -0.5, 0)
+    batch = TensorDict(acc=acc, scores=scores, batch_size=[8])
+    assert scores[:4].unique().numel() > 1
+    assert informative_groups(batch, n).tolist() == [False, True]
+    assert informative_groups(TensorDict(scores=scores, batch_size=[8]), n).tolist() == [True, True]  # without acc
 
 
 def test_kl_in_reward_with_the_engines_old_log_probs(tiny_rl_setup, tmp_path):
