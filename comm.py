@@ -14,7 +14,8 @@ API (the whole of it):
     all_max([width, count], dist)                         # each value's largest over the ranks: what they agree on
     obj = broadcast_object(obj, dist, src=0)               # every rank gets src's python object
     group = side_group(("10.0.0.1", 29600), rank, size, device, timeout_s)   # a group beside the default one
-    broadcast(group, tensor)                              # rank 0's tensor over such a group (the pool's weight sync)
+    broadcast(group, tensor, timeout_s)                   # rank 0's tensor over such a group (the pool's weight sync)
+    side_barrier(group, device, timeout_s)                # every member got there, or an error after timeout_s
     barrier(dist)
     shutdown(dist)                                        # barrier, then destroy the process group (if still there)
     with timer("gen", metrics): ...                       # metrics["timing_s/gen"] = seconds
@@ -161,19 +162,29 @@ def broadcast_object(obj, dist: Dist, src: int = 0):
 def side_group(address: tuple[str, int], rank: int, size: int, device: torch.device, timeout_s: float):
     """A process group of its own between processes that already belong to other groups (the trainer's rank 0 and
     the rollout pool's engines, ray_trainer.py): rendezvous at a TCP store that rank 0 hosts at address; gloo on
-    CPU, NCCL on GPU. Not the default group, so each process keeps its own."""
+    CPU, NCCL on GPU. Not the default group, so each process keeps its own. Its collectives wait timeout_s
+    (broadcast, side_barrier); NCCL's own watchdog gets twice that, so that the waiting rank raises, and aborts the
+    group (ProcessGroup.abort), before the watchdog would end the process."""
     timeout = timedelta(seconds=timeout_s)
     store = tdist.TCPStore(address[0], address[1], size, is_master=rank == 0, timeout=timeout)
     if device.type == "cuda":
         options = tdist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        options._timeout = 2 * timeout
         return tdist.ProcessGroupNCCL(store, rank, size, options)
     return tdist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def broadcast(group, tensor: torch.Tensor) -> None:
-    """tensor from rank 0 to every rank of a side_group (in place on the others): BroadcastOptions' default root."""
-    group.broadcast([tensor], tdist.BroadcastOptions()).wait()
+def broadcast(group, tensor: torch.Tensor, timeout_s: float) -> None:
+    """tensor from rank 0 to every rank of a side_group (in place on the others): BroadcastOptions' default root.
+    Waits at most timeout_s (a dead NCCL peer would never make a plain wait() return), then raises."""
+    group.broadcast([tensor], tdist.BroadcastOptions()).wait(timedelta(seconds=timeout_s))
+
+
+def side_barrier(group, device: torch.device, timeout_s: float) -> None:
+    """Every member of a side_group reached this point (a one-element all-reduce), or an error after timeout_s. A
+    root's broadcast can finish while a receiver that stopped answering never read it (gloo hands small tensors to
+    the socket): this is what proves that each receiver took every tensor."""
+    group.allreduce([torch.zeros(1, device=device)]).wait(timedelta(seconds=timeout_s))
 
 
 def barrier(dist: Dist) -> None:

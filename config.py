@@ -17,7 +17,7 @@ from agent import AgentConfig
 from core_algos import AdvEstimator, AggMode, KLKind
 from data.calculator import AGENT
 from hybrid_engine import HybridConfig
-from sharding import FSDPConfig, OffloadConfig
+from sharding import DTYPES, FSDPConfig, OffloadConfig
 from tracking import Backend
 
 
@@ -279,8 +279,12 @@ class Config:
     max_ckpt_to_keep: int = 3
     """Checkpoints kept in out_dir/checkpoints: the newest this many, and always the best (the highest held-out
     accuracy among evaluated checkpoint steps) and the latest (verl's name)."""
-    ckpt_every: int = 0
-    """Steps between DCP checkpoints in out_dir/checkpoints (0: none); they resume at any world size."""
+    ckpt_every: int = -1
+    """Steps between DCP checkpoints in out_dir/checkpoints (they resume at any world size); 0: none; -1: every
+    max(1, total_steps // 10) steps, so that a crash loses at most a tenth of the run (the built-in task's own: 0)."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the exported HF folders (final/, critic/): the fp32 masters, or e.g. the compute dtype (half the
+    bytes, what a bf16 engine loads anyway)."""
     resume: str = "auto"
     """auto: resume from out_dir/checkpoints' newest readable checkpoint (a damaged latest one, whose files differ from
     its manifest, is named and passed over); latest: that one or stop, naming it; off: start over; or a path."""
@@ -295,7 +299,8 @@ class Config:
                                         "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "kl_horizon")),
             ("> 0", lambda v: v > 0, ("lr", "critic_lr", "cliprange_value", "kl_target", "grad_clip", "temperature",
                                       "lora_alpha")),
-            (">= 0", lambda v: v >= 0, ("ckpt_every", "lora_rank", "weight_decay", "kl_loss_coef")),
+            (">= 0", lambda v: v >= 0, ("lora_rank", "weight_decay", "kl_loss_coef")),
+            (">= -1 (-1: a tenth of total_steps)", lambda v: v >= -1, ("ckpt_every",)),
             ("in [0, 1]", lambda v: 0 <= v <= 1, ("gamma", "lam", "lr_warmup_steps_ratio", "min_lr_ratio")),
             ("in (0, 1]", lambda v: 0 < v <= 1, ("top_p", "gpu_memory_utilization")),
             ("in (0, 1)", lambda v: 0 < v < 1, ("rollout_mask_low",)),
@@ -306,6 +311,8 @@ class Config:
             for name in names:
                 if not ok(getattr(self, name)):
                     raise ValueError(f"{name}={getattr(self, name)} must be {rule}")
+        if self.export_dtype not in DTYPES:
+            raise ValueError(f"export_dtype={self.export_dtype!r}: choose one of {sorted(DTYPES)}")
         if self.train_batch_size % self.ppo_mini_batch_size:
             raise ValueError(f"train_batch_size={self.train_batch_size} must be a multiple of "
                              f"ppo_mini_batch_size={self.ppo_mini_batch_size}")
@@ -379,6 +386,11 @@ class Config:
         return ("decoupled", cap) if stale and cap is not None else None
 
     @property
+    def checkpoint_every(self) -> int:
+        """ckpt_every with -1 resolved: a checkpoint every tenth of the run (0: none)."""
+        return max(1, self.total_steps // 10) if self.ckpt_every == -1 else self.ckpt_every
+
+    @property
     def lora(self) -> tuple[int, float, str] | None:
         """The actor's adapters (rank, alpha, target modules), or None (full fine-tuning)."""
         return (self.lora_rank, self.lora_alpha, self.lora_target_modules) if self.lora_rank else None
@@ -392,7 +404,7 @@ class Config:
 # The built-in task's own values (a 1M-parameter policy, 2-digit sums, answers of a few tokens): a run without
 # --model-path applies them to every field it leaves at Config's default (verl's, for a real model).
 BUILTIN_TASK = dict(lr=2e-4, critic_lr=1e-3, max_prompt_length=32, max_response_length=8, train_batch_size=32,
-                    ppo_mini_batch_size=8, ppo_micro_batch_size=64, log_prob_max_token_len_per_gpu=2048)
+                    ppo_mini_batch_size=8, ppo_micro_batch_size=64, log_prob_max_token_len_per_gpu=2048, ckpt_every=0)
 TASK_VALUES = {"arith": BUILTIN_TASK, "calculator": dict(BUILTIN_TASK, max_response_length=32)}
 SFT_RESULT = "sft_result.json"  # what sft.py writes last into a model folder; "rl_values": the tiny policy's values
 

@@ -506,7 +506,7 @@ def loop(run: Run) -> list[dict]:
             with timer("testing", metrics):
                 metrics.update(evaluate(run))
         emit(metrics)
-        if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             save_checkpoint(run, step, {"step": step, "records": records, "kl_coef": kl_coef})
         acc = next(r["val/accuracy"] for r in reversed(records) if "val/accuracy" in r)  # the latest evaluation's
         bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", acc=f"{acc:.3f}")

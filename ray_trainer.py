@@ -34,7 +34,6 @@ import socket
 import sys
 import time
 from collections import Counter
-from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -465,8 +464,9 @@ class RolloutPool:
     one-step-off). Every sample carries the version of its weights; each chunk is scored as soon as it exists.
 
     Weight sync: ActorWorker.send_weights into each engine's receive_weights over a group of their own (side_group),
-    checked as in the hybrid engine (hybrid.verify_sync). A dead engine: the pool is replaced (new engines and sync
-    group, the current weights), what it held generated again; the trainer goes on (ray.max_restarts counts it)."""
+    checked as in the hybrid engine (hybrid.verify_sync). A dead engine, or one that does not take the weights within
+    async.sync_timeout_s (hung): the pool is replaced (the old sync group aborted, new engines and group, the current
+    weights), what it held generated again; the trainer goes on (ray.max_restarts counts it)."""
 
     def __init__(self, cfg: Config, rc: RayConfig, model_path: str, actor: WorkerGroup, driver: Driver, first: int):
         self.cfg, self.rc, self.model_path, self.actor, self.driver = cfg, rc, model_path, actor, driver
@@ -536,13 +536,16 @@ class RolloutPool:
         with timer("sync_rollout_weights", metrics):
             receive = self.group.call_each("receive_weights", [(self.plan, self.version)] * n)
             send = self.actor.send_weights.submit()
-            try:
-                receive.result()  # a dead engine is found at once; the live ones may wait for what never comes
-            except WorkerFailure:
-                with suppress(RayTaskError):  # the trainer's rank 0 lost its peers: its error is expected
-                    send.result()
-                raise
-            metrics["sync/bytes"] = float(send.result() * n)
+            try:  # the sender's end: every engine took every tensor, or one died or hung (async.sync_timeout_s)
+                nbytes = send.result()
+            except RayTaskError as e:
+                waiting = ray.wait(receive.refs, num_returns=n, timeout=0)[1]
+                ranks = [receive.ranks[receive.refs.index(r)] for r in waiting]
+                cause = [line for line in str(e).splitlines() if line.strip()][-1]  # the trainer's own error
+                raise WorkerFailure(f"rollout.receive_weights: rank(s) {ranks} did not take the weights ({cause})") \
+                    from e
+            receive.result()  # every engine acknowledged: these return at once
+            metrics["sync/bytes"] = float(nbytes * n)
         if self.cfg.hybrid.verify_sync:
             expected = self.actor.sync_expectation()  # [checksums, probe log-probs]: rank 0's
             gaps = self.group.call_each("verify", [tuple(expected)] * n)

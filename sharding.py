@@ -88,8 +88,9 @@ class OffloadConfig:
     """The actor's parameter shards live in CPU memory, and come to the device for its log-prob pass, update,
     checkpoints and export (the weight sync gathers them from the host, so generation runs without them)."""
     actor_optimizer: bool = False
-    """The actor's AdamW state lives in CPU memory except during its update and checkpoints. (It always leaves the
-    device while the engine generates.)"""
+    """The actor's AdamW state lives in CPU memory except during its update and checkpoints (so it is away while the
+    engine generates); off: it stays on the device (AdamW's state of a 7B model on 8 ranks is ~7.6 GB each, which
+    would otherwise cross twice a step)."""
     ref_params: bool = False
     """The reference policy's parameter shards live in CPU memory except during its log-prob pass."""
     critic_params: bool = False
@@ -120,26 +121,29 @@ def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str)
                 state[key] = value.to(device, non_blocking=True)
 
 
+def relocate(device: torch.device | str, models=(), optimizers=()) -> None:
+    """models' parameters and optimizers' state to device. After a move to the host, the freed GPU blocks go back
+    to the driver (where vLLM, or another role, allocates: its free-memory check at start-up counts them)."""
+    for model in models:
+        move_model(model, device)
+    for optimizer in optimizers:
+        move_optimizer(optimizer, device)
+    if torch.device(device).type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # waits for the queued copies first
+
+
 @contextmanager
 def placed(inside: torch.device | str, after: torch.device | str, models=(), optimizers=()):
-    """models' parameters and optimizers' state moved to `inside` for the block, and to `after` when it ends. After
-    a move to the host, the freed GPU blocks go back to the driver (where vLLM, or another role, allocates)."""
-    def move(device):
-        for model in models:
-            move_model(model, device)
-        for optimizer in optimizers:
-            move_optimizer(optimizer, device)
-        if torch.device(device).type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()  # waits for the queued copies first
-
+    """models' parameters and optimizers' state moved to `inside` for the block, and to `after` when it ends
+    (relocate)."""
     same = torch.device(inside) == torch.device(after) or not (models or optimizers)  # CPU-only: nothing moves
     if not same:
-        move(inside)
+        relocate(inside, models, optimizers)
     try:
         yield
     finally:
         if not same:
-            move(after)
+            relocate(after, models, optimizers)
 
 
 # ---- Loading and sharding -------------------------------------------------------------------------
@@ -201,18 +205,20 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
                        ) -> torch.nn.Module:
     """The HF model at model_path, FSDP2-sharded over dist.mesh["dp"] (plain on dist.device without a group), with
     fp32 master weights (FSDPConfig.param_dtype sets the compute dtype). trainable=False gives a frozen reference:
-    no gradients, eval mode. model_class and config (None: the folder's) pick another head, e.g. a critic:
+    no gradients, eval mode, its weights in the compute dtype (FSDPConfig.param_dtype: no fp32 copy of a model that
+    never steps). model_class and config (None: the folder's) pick another head, e.g. a critic:
     AutoModelForTokenClassification with config.num_labels = 1; weights the folder lacks (the new head) are
     initialised on rank 0 and reach the other ranks with the rest. gradient_checkpointing: each decoder layer
     recomputes its activations in backward (HF's, non-reentrant). lora (rank, alpha, target modules): LoRA
     adapters (lora.py), added before sharding; only they train."""
     cfg = cfg or FSDPConfig()
     config = config or AutoConfig.from_pretrained(model_path)
+    dtype = torch.float32 if trainable else DTYPES[cfg.param_dtype]  # fp32 masters; a frozen model computes only
     if dist.mesh is None or dist.rank == 0:  # the adapters' initial values come from rank 0 too
-        model = adapted(model_class.from_pretrained(model_path, config=config, dtype=torch.float32), lora)
+        model = adapted(model_class.from_pretrained(model_path, config=config, dtype=dtype), lora)
     else:
         with torch.device("meta"):  # no memory, no init: the weights come from rank 0
-            model = adapted(model_class.from_config(config, dtype=torch.float32), lora)
+            model = adapted(model_class.from_config(config, dtype=dtype), lora)
     if dist.mesh is None:
         compute_in(model.to(dist.device), DTYPES[cfg.param_dtype])
         return _set_trainable(model, trainable, gradient_checkpointing, lora)
@@ -484,17 +490,22 @@ def load_sharded(path: str, model, optimizer, dist: Dist) -> dict:
     return torch.load(own if os.path.isfile(own) else os.path.join(path, "extra_rank0.pt"), weights_only=False)
 
 
-def export_hf(model, tokenizer, out_dir: str, dist: Dist) -> None:
-    """Gather the full weights to rank 0's CPU memory and save_pretrained them (and the tokenizer) to out_dir. With
-    LoRA: the merged weights under the plain model's names, and the adapter alone in out_dir/adapter (peft's
-    layout). Collective (the gathers)."""
+def export_hf(model, tokenizer, out_dir: str, dist: Dist, dtype: torch.dtype | None = None) -> None:
+    """Gather the full weights to rank 0's CPU memory and save_pretrained them (and the tokenizer) to out_dir, in
+    dtype (None: the masters'; the config.json says which). With LoRA: the merged weights under the plain model's
+    names, and the adapter alone in out_dir/adapter (peft's layout). Collective (the gathers)."""
     adapters = {n: full_tensor(p, None).cpu() for n, p in model.named_parameters() if is_adapter(n)}
     state = ({name: full_tensor(t, None).cpu() for name, t in engine_weights(model)} if adapters
              else get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     if dist.is_main:
         tmp = out_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        if dtype is not None:
+            state = {k: v.to(cast_dtype(v, dtype)) for k, v in state.items()}
         model.save_pretrained(tmp, state_dict=state)
+        if dtype is not None:  # save_pretrained writes the parameters' dtype (the masters') into config.json
+            config = json.loads(Path(tmp, "config.json").read_text())
+            Path(tmp, "config.json").write_text(json.dumps({**config, "dtype": str(dtype).split(".")[-1]}, indent=2))
         if adapters:
             export_adapter(model, adapters, os.path.join(tmp, "adapter"))
         if tokenizer is not None:

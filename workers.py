@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from agent import AgentLoop
 from batching import micro_batches, pack, packing_works, pad, unpack
-from comm import Dist, Max, Sum, all_max, all_sum_fn, broadcast, side_group, synchronize, timer
+from comm import Dist, Max, Sum, all_max, all_sum_fn, broadcast, side_barrier, side_group, synchronize, timer
 from config import Config
 from core_algos import agg_loss, head_log_probs, kl_penalty, lr_factor, policy_loss, tis_weights, value_loss
 from data import load_tokenizer
@@ -40,7 +40,7 @@ from perf import (GB, OutOfMemory, allreduce_ms, is_oom, model_flops, model_shap
                   reset_peak_memory)
 from rollout import HFRollout, make_rollout
 from sharding import (DTYPES, cast_dtype, clip_grad_norm, export_hf, full_weights, load_sharded, load_sharded_model,
-                      move_model, placed, save_sharded, weight_buckets)
+                      placed, relocate, save_sharded, weight_buckets)
 
 
 # the pi_old / pi_rollout weight's mean, max and truncated share, by Config.behaviour_weight's kind
@@ -182,7 +182,7 @@ class Worker:
             print(f"use_remove_padding: the {model.config._attn_implementation} attention lets packed sequences "
                   f"see each other (batching.packing_works); {self.role}: running padded micro-batches instead")
         if self.offload_params:  # from now on the parameters come to the device for each phase (resident)
-            move_model(model, "cpu")
+            relocate("cpu", [model])
         self.shape = model_shape(model)  # its FLOPs a token, for perf/mfu
         self.peak_flops = peak_flops(dist.device, DTYPES[cfg.fsdp.param_dtype])  # what MFU divides by
         self.measures = {}  # the phases' memory high-water marks since the controller last collected them (perf)
@@ -334,11 +334,15 @@ class Worker:
     def accumulate(self, mb: TensorDict, mask: torch.Tensor, agg_kw: dict, limit: int, first_mini_batch: bool) -> dict:
         """Forward and backward over the micro-batches of mini-batch mb within `limit` (tokens under use_dynamic_bsz,
         else sequences), their gradients summed into the parameters' .grad; returns their metrics. Collective (the
-        micro-batch count under use_dynamic_bsz; FSDP2's gathers and reduce-scatters)."""
+        micro-batch count under use_dynamic_bsz; FSDP2's gathers, and its reduce-scatters in the last micro-batch's
+        backward only)."""
         micro_rows = self.micro_batch_rows(mb, limit if self.cfg.use_dynamic_bsz else None, rows=limit)
         sums, maxima = {}, {}  # 0-d device tensors: read once, after the last micro-batch (no host sync per one)
+        gradient_sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2's (none in one process)
         for j, rows in enumerate(micro_rows):
             self.at = (j, micro_rows, mb)
+            if gradient_sync is not None:  # the gradients summed locally, reduce-scattered once, after the last one
+                gradient_sync(j == len(micro_rows) - 1)
             rows = torch.tensor(rows)
             loss, metrics = self.micro_batch_loss(self.to_device(mb[rows]), agg_kw, first_mini_batch=first_mini_batch)
             loss.backward()
@@ -373,9 +377,10 @@ class Worker:
         self.updates = rng["updates"]
 
     def export(self, out_dir: str) -> None:
-        """The full model and its tokenizer as a plain HF folder (rank 0 writes). Collective (the full weights)."""
+        """The full model and its tokenizer as a plain HF folder in export_dtype (rank 0 writes). Collective (the full
+        weights)."""
         with self.resident():
-            export_hf(self.model, self.tokenizer, out_dir, self.dist)
+            export_hf(self.model, self.tokenizer, out_dir, self.dist, DTYPES[self.cfg.export_dtype])
 
 
 # ---- The actor and the critic ---------------------------------------------------------------------
@@ -394,7 +399,7 @@ class ActorWorker(Worker):
         self.ref = load_sharded_model(model_path, dist, cfg.fsdp, trainable=False) \
             if cfg.use_reference and not cfg.lora else None  # LoRA: the policy with its adapters off, no second copy
         if self.ref is not None and cfg.offload.ref_params:
-            move_model(self.ref, "cpu")
+            relocate("cpu", [self.ref])
         self.sync_group = None  # rank 0's weight-sync group with a rollout pool (open_weight_sync)
         self.bucket_bytes = int(cfg.hybrid.bucket_mb * 2**20)  # 0: one decoder layer a bucket
         self.rollout = self.hybrid = self.sampler = None  # async.rollout_workers: the pool's engines generate
@@ -415,14 +420,12 @@ class ActorWorker(Worker):
         if self.rollout is None:
             raise RuntimeError("generate: this actor has no engine; its rollout pool generates (async.rollout_workers)")
         n, metrics = 1 if greedy else self.cfg.rollout_n, {}
-        # the AdamW state leaves the device while the engine takes its memory (on the host anyway when offloaded)
-        optimizer_away = placed("cpu", self.dist.device, optimizers=[] if self.offload_optimizer else [self.opt])
+        # the AdamW state stays where it is: on the host with offload.actor_optimizer, else on the device
         # vLLM holds its own weights: the trainer's come to the device for the sync only; HF generate runs the
         # trainer's own model, which stays for the whole of rollout mode
         sync_resident, resident = (nullcontext, self.resident()) if self.rollout.uses_trainer_model else \
             (self.resident, nullcontext())
-        with self.measured("gen"), optimizer_away, resident, self.hybrid.rollout_mode(metrics, sync_resident), \
-                timer("gen", metrics):
+        with self.measured("gen"), resident, self.hybrid.rollout_mode(metrics, sync_resident), timer("gen", metrics):
             try:
                 out = self.sampler.generate(prompts, n=n, max_tokens=self.cfg.max_response_length, seeds=seeds,
                                             temperature=0.0 if greedy else self.cfg.temperature, top_p=self.cfg.top_p,
@@ -448,9 +451,17 @@ class ActorWorker(Worker):
 
     def open_weight_sync(self, address: tuple[str, int], size: int) -> None:
         """Join a new weight-sync group with a rollout pool's size - 1 engines: rank 0 sends, as rank 0 of that group
-        (hosting its store at address); the other ranks only gather. Replaces the previous pool's group."""
-        self.sync_group = (side_group(address, 0, size, self.dist.device, self.cfg.dist_timeout_s) if self.dist.is_main
-                           else None)
+        (hosting its store at address); the other ranks only gather. The previous pool's group is aborted first."""
+        self.abort_weight_sync()
+        timeout = self.cfg.async_.sync_timeout_s
+        self.sync_group = side_group(address, 0, size, self.dist.device, timeout) if self.dist.is_main else None
+
+    def abort_weight_sync(self) -> None:
+        """Abort the weight-sync group, if any: a collective of it in flight fails now (on NCCL, rather than the
+        watchdog ending the process), and no later one is tried."""
+        if self.sync_group is not None:
+            self.sync_group.abort()
+            self.sync_group = None
 
     def weights_plan(self) -> list[list[tuple[str, tuple, torch.dtype]]]:
         """What send_weights sends: buckets of (HF name, full shape, dtype), whole decoder layers each."""
@@ -460,21 +471,28 @@ class ActorWorker(Worker):
 
     def send_weights(self) -> int:
         """The current weights to the rollout pool, bucket by bucket (weights_plan's): every rank gathers each bucket
-        (full_weights), rank 0 broadcasts its tensors over the sync group. Returns the bytes sent to each engine.
-        Collective (the gathers). A broadcast that fails (a pool worker died) stops the sending, not the gathers,
-        so the ranks stay in step; the error is raised after the last bucket."""
-        nbytes, error = 0, None
+        (full_weights), rank 0 broadcasts its tensors over the sync group, then waits for every engine to say it took
+        them all (side_barrier). Returns the bytes sent to each engine. Collective (the gathers). A broadcast that
+        fails (an engine died) or waits past async.sync_timeout_s (one hung) stops the sending, not the gathers, so
+        the ranks stay in step; the group is aborted and the error raised after the last bucket."""
+        nbytes, error, timeout = 0, None, self.cfg.async_.sync_timeout_s
         with self.resident():
             for bucket in full_weights(self.model, self.bucket_bytes, DTYPES[self.cfg.fsdp.param_dtype]):
                 for _, tensor in bucket:
                     nbytes += tensor.numel() * tensor.element_size()
                     if self.sync_group is not None and error is None:
                         try:
-                            broadcast(self.sync_group, tensor.contiguous())
-                        except RuntimeError as e:  # gloo/NCCL: a peer left
+                            broadcast(self.sync_group, tensor.contiguous(), timeout)
+                        except RuntimeError as e:  # gloo/NCCL: a peer left, or the wait timed out
                             error = e
                 del bucket
+        if self.sync_group is not None and error is None:
+            try:
+                side_barrier(self.sync_group, self.dist.device, timeout)
+            except RuntimeError as e:
+                error = e
         if error is not None:
+            self.abort_weight_sync()
             raise RuntimeError(f"weight sync to the rollout pool failed: {error}")
         return nbytes
 
@@ -617,21 +635,22 @@ class RolloutWorker:
 
     def open_weight_sync(self, address: tuple[str, int], rank: int, size: int) -> None:
         """Join the weight-sync group whose rank 0 is the trainer's rank 0."""
-        self.sync_group = side_group(address, rank, size, self.dist.device, self.cfg.dist_timeout_s)
+        self.sync_group = side_group(address, rank, size, self.dist.device, self.cfg.async_.sync_timeout_s)
 
     @torch.no_grad()
     def receive_weights(self, plan: list[list[tuple[str, tuple, torch.dtype]]], version: int) -> None:
         """The trainer's weights (ActorWorker.send_weights), one bucket at a time into the engine; from now on the
         samples carry `version`. With verify_sync each tensor is fingerprinted as it arrives (verify)."""
-        self.received = {}
+        self.received, timeout = {}, self.cfg.async_.sync_timeout_s
         for bucket in plan:
             tensors = [(name, torch.empty(shape, dtype=dt, device=self.dist.device)) for name, shape, dt in bucket]
             for name, tensor in tensors:
-                broadcast(self.sync_group, tensor)
+                broadcast(self.sync_group, tensor, timeout)
                 if self.cfg.hybrid.verify_sync:
                     self.received[name] = checksum(tensor.reshape(-1), start=0).item()
             self.rollout.update_weights(iter(tensors))
             del tensors
+        side_barrier(self.sync_group, self.dist.device, timeout)  # the trainer learns that this engine took them all
         self.version = version
 
     def verify(self, expected: dict[str, int], trainer_probe_lp: list) -> float:

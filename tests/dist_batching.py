@@ -6,7 +6,8 @@ single-process reference use.
 
 Rank 0 holds the long sequences of the global batch and rank 1 the short ones. Each rank writes OUT_DIR/rank{r}.pt:
 its rows after balancing, the micro-batch counts, and the full gradients of one update with dynamic packed
-micro-batches and with the fixed split.
+micro-batches and with the fixed split (also in the token-sum and seq-mean-token-mean modes, and with gradient
+checkpointing), and how many gradient reduce-scatters each update made.
 """
 
 import os
@@ -15,11 +16,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import torch  # noqa: E402
+import torch.distributed as tdist  # noqa: E402
 
 from batching import split_by_tokens  # noqa: E402
 from batching import balance_ranks, flops_workload  # noqa: E402
 from comm import init_distributed, shutdown  # noqa: E402
 from config import BUILTIN_TASK, Config  # noqa: E402
+from sharding import decoder_layers  # noqa: E402
 from workers import ActorWorker, pad_batch  # noqa: E402
 
 N_SAMPLES, N_PROMPTS = 2, 4
@@ -67,19 +70,40 @@ def capture_gradients(worker: ActorWorker) -> list[dict]:
     return grads
 
 
+# the updates each rank runs: name -> Config overrides (the test compares each with one process on the whole batch)
+UPDATES = {"dynamic": dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=BUDGET, use_remove_padding=True),
+           "fixed": dict(ppo_micro_batch_size=2),
+           "token-sum": dict(ppo_micro_batch_size=2, loss_agg_mode="token-sum"),
+           "seq-mean-token-mean": dict(ppo_micro_batch_size=2, loss_agg_mode="seq-mean-token-mean"),
+           "checkpointed": dict(ppo_micro_batch_size=2, gradient_checkpointing=True)}
+
+
+def counting_reduce_scatters() -> list:
+    """Count FSDP2's gradient reduce-scatters (torch.distributed.reduce_scatter_single, which it calls by name)."""
+    calls, real = [], tdist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        calls.append(None)
+        return real(*args, **kwargs)
+
+    tdist.reduce_scatter_single = counted
+    return calls
+
+
 def main(model_dir: str, out_dir: str):
     dist = init_distributed(timeout_s=120)
-    res = {}
-    for name, overrides in (("dynamic", dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=BUDGET,
-                                             use_remove_padding=True)),
-                            ("fixed", dict(ppo_micro_batch_size=2))):
+    res, reduce_scatters = {}, counting_reduce_scatters()
+    for name, overrides in UPDATES.items():
         worker = ActorWorker(config(model_dir, **overrides), model_dir, dist)
         batch = global_batch(worker.model.config.vocab_size, worker.tokenizer.pad_token_id)
         rows = batch.batch_size[0] // dist.dp_size
         mine = batch[dist.dp_rank * rows : (dist.dp_rank + 1) * rows]
         res[f"{name}_log_probs"] = worker.log_probs(mine)
         grads = capture_gradients(worker)
+        reduce_scatters.clear()
         res[f"{name}_metrics"] = worker.update(mine)
+        res[f"{name}_reduce_scatters"] = len(reduce_scatters)  # one mini-batch: once per FSDP2 group, not per micro
+        res["fsdp_groups"] = len(decoder_layers(worker.model)) + 1  # each decoder layer, and the root
         res[f"{name}_grads"] = grads[0]
         if name == "dynamic":
             res["own_count"] = len(split_by_tokens(mine["attention_mask"].sum(-1).tolist(), BUDGET))

@@ -10,7 +10,7 @@ from typing import get_args
 
 import pytest
 import torch
-from dist_batching import capture_gradients, config, global_batch, with_rl_fields
+from dist_batching import UPDATES, capture_gradients, config, global_batch, with_rl_fields
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -143,8 +143,9 @@ def test_karmarkar_karp_beats_the_contiguous_split():
 
 def test_two_ranks(model_path, tmp_path):
     """2 ranks (gloo): rank 0 holds the long sequences, so it needs more micro-batches than rank 1; both run the
-    same number, and the dynamic packed update, the fixed split and one process on the whole batch give the same
-    gradient. Balancing moves whole groups, keeps every row once, and evens out the tokens."""
+    same number, and the dynamic packed update, the fixed split (in the token-mean, token-sum and seq-mean-token-mean
+    modes, and with gradient checkpointing) and one process on the whole batch give the same gradient, FSDP2
+    reduce-scattering it once per mini-batch. Balancing moves whole groups, keeps every row once, and evens out the tokens."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
            "--rdzv-endpoint=localhost:0", WORKER, model_path, str(tmp_path)]
@@ -152,23 +153,31 @@ def test_two_ranks(model_path, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
-    worker = ActorWorker(config(model_path, ppo_micro_batch_size=8), model_path, init_distributed())
-    batch = global_batch(worker.model.config.vocab_size, worker.tokenizer.pad_token_id)
-    logp = worker.log_probs(batch)
-    grads = capture_gradients(worker)
-    worker.update(batch)
+    one_process = {}  # loss_agg_mode: (log-probs, gradient) of one process on the whole batch
+    for mode in ("token-mean", "token-sum", "seq-mean-token-mean"):
+        worker = ActorWorker(config(model_path, ppo_micro_batch_size=8, loss_agg_mode=mode), model_path,
+                             init_distributed())
+        batch = global_batch(worker.model.config.vocab_size, worker.tokenizer.pad_token_id)
+        logp = worker.log_probs(batch)
+        grads = capture_gradients(worker)
+        worker.update(batch)
+        one_process[mode] = logp, grads[0]
 
     assert ranks[0]["own_count"] > ranks[1]["own_count"]
     counts = [r["dynamic_metrics"]["actor/num_micro_batches"] for r in ranks]
     assert counts[0] == counts[1] == ranks[0]["own_count"]
     mask = batch["response_mask"].bool()
-    for name in ("dynamic", "fixed"):
+    for name, overrides in UPDATES.items():
+        logp, grads = one_process[overrides.get("loss_agg_mode", "token-mean")]
         torch.testing.assert_close(torch.cat([r[f"{name}_log_probs"] for r in ranks])[mask], logp[mask], atol=1e-5,
                                    rtol=0)
-        for key in grads[0]:
+        for key in grads:
             for r in ranks:
-                torch.testing.assert_close(r[f"{name}_grads"][key], grads[0][key], atol=1e-5, rtol=1e-4,
+                torch.testing.assert_close(r[f"{name}_grads"][key], grads[key], atol=1e-5, rtol=1e-4,
                                            msg=lambda m: f"{name} {key}: {m}")
+        # the micro-batches' gradients summed locally: one reduce-scatter per FSDP2 group and mini-batch
+        assert ranks[0][f"{name}_metrics"]["actor/num_micro_batches"] > 1
+        assert [r[f"{name}_reduce_scatters"] for r in ranks] == [ranks[0]["fsdp_groups"]] * 2, name
 
     rows = [r["balanced_rows"] for r in ranks]
     assert sorted(torch.cat(rows).tolist()) == list(range(8)) and len(rows[0]) == len(rows[1])

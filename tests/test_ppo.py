@@ -4,6 +4,7 @@
 """
 
 import importlib.util
+import json
 import math
 import os
 from dataclasses import replace
@@ -11,6 +12,7 @@ from typing import get_args
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tensordict import TensorDict
 
 from comm import init_distributed, timer
@@ -215,6 +217,30 @@ def test_one_process_computes_in_param_dtype(model_path):
     assert 1e-4 < gap < 0.1, gap
     bf16.update(batch)
     assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+
+
+def test_the_frozen_reference_is_in_the_compute_dtype_and_the_export_in_export_dtype(model_path, tmp_path):
+    """fsdp.param_dtype=bfloat16: the actor keeps fp32 masters, the reference (which never steps) is loaded in bf16
+    (half its memory) and its log-probs are the bf16 policy's within bf16's rounding; --export-dtype bfloat16 writes
+    final/ in bf16, the masters rounded once, and config.json says so."""
+    cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=4, train_batch_size=4,
+                     ppo_mini_batch_size=4, max_response_length=6, use_kl_loss=True, export_dtype="bfloat16")
+    cfg.fsdp.param_dtype = "bfloat16"
+    worker = ActorWorker(cfg, model_path, init_distributed())
+    assert {p.dtype for p in worker.ref.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in worker.model.parameters()} == {torch.float32}
+    batch = make_batch(worker)
+    mask = batch["response_mask"].bool()
+    gap = (worker.ref_log_probs(batch) - batch["old_log_probs"])[mask].abs().max().item()
+    assert gap < 0.05, gap  # the same weights at step 0, bf16 compute either way
+    worker.export(str(tmp_path / "final"))
+    saved = load_file(str(tmp_path / "final" / "model.safetensors"))
+    masters = worker.model.state_dict()  # a tied head under both names
+    for name, tensor in saved.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, masters[name].detach().to(torch.bfloat16)), name
+    assert json.load(open(tmp_path / "final" / "config.json"))["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="export_dtype"):
+        Config(export_dtype="int8")
 
 
 def test_lr_schedule_resumes_where_it_stopped(model_path, tmp_path):

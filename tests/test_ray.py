@@ -15,6 +15,7 @@
 
 import json
 import os
+import time
 from dataclasses import replace
 
 import pytest
@@ -163,6 +164,22 @@ def test_one_step_off_replaces_a_dead_rollout_worker(grpo_runs, tmp_path):
     assert [r["step"] for r in out] == [0, 1, 2, 3]
     assert [r["async/staleness/max"] for r in out[1:]] == [0, 1, 0]
     assert [r["async/rollout_restarts"] for r in out[1:]] == [0, 0, 1] and out[-1]["ray/restarts"] == 0
+    assert all(r["sync/probe_logprob_diff_max"] < 1e-4 for r in out[1:])
+
+
+def test_a_hung_engine_is_replaced_within_the_sync_timeout(grpo_runs, tmp_path):
+    """An engine that stops answering (alive, not dead) at the sync after step 1: the trainer's broadcast and its
+    barrier wait async.sync_timeout_s (4 s), not ray.call_timeout_s (10 minutes); the sync group is aborted, the
+    pool replaced with the current weights, and the trainer goes on (no restart of its groups)."""
+    cfg, _, _ = grpo_runs
+    cfg = replace(one_step_off(cfg, tmp_path, engines=1), total_steps=2)
+    cfg = replace(cfg, async_=replace(cfg.async_, sync_timeout_s=4.0))
+    rc = RayConfig(workers=1, fail_role="rollout", fail_rank=0, fail_method="receive_weights", fail_call=2,
+                   fail_mode="hang", call_timeout_s=600)  # call 1: the weights before step 1
+    start = time.time()
+    out = train(RayTrainerConfig(cfg, rc))
+    assert time.time() - start < 120  # far below call_timeout_s: the side group's timeout found the hung engine
+    assert [r["async/rollout_restarts"] for r in out[1:]] == [0, 1] and out[-1]["ray/restarts"] == 0
     assert all(r["sync/probe_logprob_diff_max"] < 1e-4 for r in out[1:])
 
 

@@ -91,6 +91,16 @@ def test_a_model_you_bring_gets_verls_defaults_and_the_builtin_task_its_own(tiny
     assert calc.agent.tools_path.endswith("data/calculator.py") and calc.agent.call_end == "="
 
 
+def test_a_run_with_a_model_checkpoints_every_tenth_by_default(tiny_rl_setup):
+    """A crash of a real run loses at most a tenth of it (ckpt_every -1: every total_steps // 10 steps); the built-in
+    task keeps its own (none), and a cadence you give stays."""
+    real = dict(model_path=tiny_rl_setup["model_path"], max_prompt_length=32, max_response_length=8)
+    assert with_task_values(Config(**real, total_steps=200)).checkpoint_every == 20
+    assert with_task_values(Config(**real, total_steps=5)).checkpoint_every == 1
+    assert with_task_values(Config(**real, total_steps=200, ckpt_every=7)).checkpoint_every == 7
+    assert with_task_values(Config(total_steps=200)).checkpoint_every == 0
+
+
 def test_lengths_beyond_the_models_positions_are_named(tiny_rl_setup):
     with pytest.raises(ValueError, match="max_prompt_length \\+ max_response_length = 1536 exceeds model_path's "
                                          "max_position_embeddings=512"):
