@@ -143,6 +143,8 @@ class VLLMRollout:
             return out
 
         scheduler.schedule = observed_schedule
+        self.cuda_graphs = cuda_graphs
+        self.storage = self.weight_storage()  # what captured CUDA graphs point at (check_storage)
 
     @property
     def device(self) -> torch.device:
@@ -203,6 +205,23 @@ class VLLMRollout:
         must come in one call (sharding.weight_groups says why)."""
         self._worker().reload_weights(weights_iterator=self._with_tied_head(weights) if self.tied else weights)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if self.cuda_graphs:
+            self.check_storage()
+
+    def weight_storage(self) -> dict[str, int]:
+        """The data_ptr of each engine parameter and buffer that has storage (on CPU the linears' weights live in
+        repacked kernel buffers, leaving empty placeholders: those show no pointer)."""
+        model = self._worker().model_runner.model
+        return {name: t.data_ptr() for name, t in (*model.named_parameters(), *model.named_buffers()) if t.numel()}
+
+    def check_storage(self) -> None:
+        """CUDA graphs replay the addresses they captured: a reload must write the weights into the same storage.
+        Raises, naming the tensors, when a reload moved any (cuda_graphs checks it after every sync)."""
+        moved = sorted(name for name, ptr in self.weight_storage().items() if self.storage.get(name) != ptr)
+        if moved:
+            raise RuntimeError(f"cuda_graphs: the weight reload gave {len(moved)} engine tensors new storage "
+                               f"({', '.join(moved[:4])}, ...): the captured CUDA graphs would compute with the old "
+                               "weights; run without --cuda-graphs")
 
     def close(self) -> None:
         """Shut the engine down now, after the last collective. Its cleanup also destroys torch's default process

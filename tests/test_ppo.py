@@ -3,10 +3,8 @@
     python -m pytest tests/test_ppo.py -q
 """
 
-import importlib.util
 import json
 import math
-import os
 from dataclasses import replace
 from typing import get_args
 
@@ -20,14 +18,13 @@ from conftest import toy_config
 from config import AsyncConfig, Config
 from core_algos import AggMode, grpo_advantages
 from hybrid_engine import HybridConfig
-from perf import OutOfMemory, model_shape, peak_flops
+from perf import OutOfMemory, model_flops, model_shape, peak_flops
 from ppo import policy_loss_mask
 from sft import SFTConfig
 from tiny import build_tiny_qwen2
 from workers import ActorWorker, CriticWorker
 
 MODES = list(get_args(AggMode))
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +88,36 @@ def test_non_finite_gradient_skips_the_step(model_path):
     assert any((before[k] - after[k]).abs().max() > 0 for k in before), "the second, finite mini-batch must still step"
 
 
-def test_hf_rollout_passes_sync_verification(model_path):
-    """HF generate runs on the trainer's model, yet the hybrid engine's checksums must still see every weight."""
+def test_the_sync_verification_proves_an_engine_that_is_not_the_trainers_model(model_path):
+    """The probe compares two models: an engine with a copy of its own (HF generate on it, own_model) that starts
+    from other weights passes verify_sync only once the sync wrote the trainer's weights into it (gap 0 here, the
+    same code computing), and a sync that leaves one weight out is refused: the checksums taken at the hand-over
+    agree, the probe does not."""
+    import copy
+
+    from hybrid_engine import HybridEngine
+    from rollout import HFRollout
+
     cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=2, max_response_length=6,
                      hybrid=HybridConfig(verify_sync=True))
     worker = ActorWorker(cfg, model_path, init_distributed())
-    # generate enters rollout mode, which raises, naming a parameter, if a checksum or the probe disagrees
-    _, metrics = worker.generate([[5, 6, 7]], seeds=[0])
+    engine_model = copy.deepcopy(worker.model)
+    with torch.no_grad():
+        for p in engine_model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # the engine starts from other weights
+    engine = HFRollout(engine_model, worker.tokenizer, worker.dist.device, own_model=True)
+    worker.rollout = worker.sampler = engine
+    worker.hybrid = HybridEngine(worker.model, engine, worker.dist, cfg.hybrid, torch.float32)
+    _, metrics = worker.generate([[5, 6, 7]], seeds=[0])  # raises, naming the problem, if a check fails
     assert metrics["reshard/buckets"] >= 1 and metrics["reshard/probe_logprob_diff_max"] == 0.0
+    for name, p in worker.model.state_dict().items():
+        assert torch.equal(engine_model.state_dict()[name], p), name
+    with torch.no_grad():
+        engine_model.model.norm.weight.mul_(3.0)
+    load = engine.update_weights
+    engine.update_weights = lambda weights: load((n, t) for n, t in weights if n != "model.norm.weight")
+    with pytest.raises(RuntimeError, match="the engine's probe log-probs differ from the trainer's"):
+        worker.generate([[5, 6, 7]], seeds=[0])
 
 
 def test_tis_weights_reach_the_update(model_path):
@@ -483,20 +502,30 @@ def test_oom_retry_halves_the_budget_and_changes_nothing(model_path, capsys):
     assert "retrying with log_prob_max_token_len_per_gpu=32" in out
 
 
-def test_mfu_matches_the_bench_on_the_same_step(model_path):
-    """perf/mfu/actor (the update timed inside the worker) against bench/step.py's figure for the same update (the
-    controller's timer): the same FLOPs and peak, so within 10%; and a sane share of the peak."""
-    spec = importlib.util.spec_from_file_location("bench_step", os.path.join(ROOT, "bench", "step.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_mfu_against_a_hand_count_of_the_tiny_models_flops(model_path):
+    """The tiny Qwen2's model FLOPs counted by hand from its config (every matmul's weights, biases and norms: 2 per
+    token forward, 6 with backward; the tied embedding is the LM head; attention's QK^T and AV, 4 x layers x query
+    width x s^2 forward): perf.model_flops gives exactly that, and perf/mfu/actor is that count over the update's
+    time (the controller's timer, within 10%) and the peak."""
     cfg = toy_config(model_path=model_path, rollout_backend="hf", rollout_n=8, train_batch_size=4,
                      ppo_mini_batch_size=4, max_response_length=6)
     worker = ActorWorker(cfg, model_path, init_distributed())
+    c = worker.model.config
+    H, I, L, V = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+    kv = c.num_key_value_heads * (H // c.num_attention_heads)  # k and v's width (grouped-query attention)
+    per_layer = H * H + H + 2 * (H * kv + kv) + H * H + 3 * H * I + 2 * H  # q, k, v (with biases), o, MLP, 2 norms
+    params = V * H + L * per_layer + H  # the head (tied: the embedding), the layers, the final norm
+    assert params == sum(p.numel() for p in worker.model.parameters())  # the count is the model's
     batch = make_batch(worker)
+    seqlens = batch["attention_mask"].sum(-1)  # [B]
+    hand = 6 * params * seqlens.sum().item() + 3 * 4 * L * H * (seqlens.double() ** 2).sum().item()
+    assert model_flops(seqlens, model_shape(worker.model), backward=True) == pytest.approx(hand, rel=1e-12)
+    assert model_flops(seqlens, model_shape(worker.model), backward=True, lora=True) == pytest.approx(
+        4 * params * seqlens.sum().item() + 12 * L * H * (seqlens.double() ** 2).sum().item(), rel=1e-12)
     timed = {}
     with timer("update_actor", timed):
         metrics = worker.update(batch)
-    figure = bench.phase_mfu(timed, batch, model_shape(worker.model), peak_flops(worker.dist.device, torch.float32))
+    figure = hand / timed["timing_s/update_actor"] / peak_flops(worker.dist.device, torch.float32)
     assert 0 < metrics["perf/mfu/actor"] < 1
     assert metrics["perf/mfu/actor"] == pytest.approx(figure, rel=0.1)
     assert worker.perf()["perf/max_memory_gb/update_actor"] > 0

