@@ -5,8 +5,9 @@
     OMP_NUM_THREADS=1 python -m pytest tests/test_sharding.py -q     # the tests (they launch torchrun)
 
 API (the whole of it):
-    dist = init_distributed(timeout_s=1800)               # -> Dist(rank, world_size, local_rank, device, mesh, is_main)
+    dist = init_distributed(timeout_s=1800, tp=2)         # -> Dist(rank, world_size, local_rank, device, mesh, is_main)
     dist.dp_rank, dist.dp_size                            # this rank's data shard: split batches by these
+    dist.tp_rank, dist.tp_size                            # its place in its tensor-parallel group (same data)
     reduce_metrics({"actor/pg_loss": x, "response_length/max": Max(m), "tokens": Sum(n)}, dist)
         # each value reduced over the ranks as its type declares: Sum, Max, Min, or a plain number (the mean)
     combine_metrics([rank0_metrics, rank1_metrics])       # reduce_metrics' numbers, from a list in one process
@@ -20,8 +21,10 @@ API (the whole of it):
     shutdown(dist)                                        # barrier, then destroy the process group (if still there)
     with timer("gen", metrics): ...                       # metrics["timing_s/gen"] = seconds
 
-The mesh has one dimension, "dp": every rank holds a shard of the data and sharding.py shards the parameters over
-the same ranks (FSDP2). There is no tensor parallelism.
+The mesh is ("dp", "tp"): groups of tp consecutive ranks share one shard of the data and split each decoder layer's
+matmuls (sharding.parallelize: tensor parallelism); FSDP2 shards the parameters over "dp". With tp 1 (the default) it
+is plain data parallelism. Within a tp group the tp coordinates are ordered so that a rollout engine sharded over
+fewer ranks (rollout_tp dividing tp) finds the trainer slices it needs on the ranks of its own engine rank (tp_layout).
 """
 
 import os
@@ -32,7 +35,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -54,13 +57,34 @@ class Dist:
     def dp_size(self) -> int:
         return self.mesh["dp"].size() if self.mesh is not None else 1
 
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
 
-def init_distributed(timeout_s: int = 1800) -> Dist:
-    """Join the torchrun job described by the env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run alone."""
+    @property
+    def tp_size(self) -> int:
+        return self.mesh["tp"].size() if self.mesh is not None else 1
+
+
+def tp_layout(world: int, tp: int, rollout_tp: int = 1) -> torch.Tensor:
+    """The mesh's ranks [dp, tp]: tp consecutive ranks a group, tp coordinate t held by the group's rank
+    (t % g) * rollout_tp + t // g, g = tp / rollout_tp. vLLM forms its engines' TP groups from consecutive ranks, so
+    engine rank e is every rank with rank % rollout_tp == e; this order gives it the trainer's slices e*g .. e*g+g-1
+    on exactly those ranks of the group (the identity when rollout_tp is 1 or tp)."""
+    g = tp // rollout_tp
+    local = torch.tensor([(t % g) * rollout_tp + t // g for t in range(tp)])  # [tp]
+    return torch.arange(0, world, tp)[:, None] + local[None, :]  # [dp, tp]
+
+
+def init_distributed(timeout_s: int = 1800, tp: int = 1, rollout_tp: int = 1) -> Dist:
+    """Join the torchrun job described by the env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run alone.
+    tp: the mesh's tensor-parallel size (it must divide the world); rollout_tp: see tp_layout."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:  # plain `python script.py`
         return Dist(0, 1, 0, torch.device("cuda", 0) if cuda else torch.device("cpu"), None, True)
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if world % tp or tp % rollout_tp and rollout_tp % tp:
+        raise ValueError(f"fsdp.tp_size={tp} must divide the {world} ranks (and rollout_tp={rollout_tp} divide it)")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         # verl's performance tuning guide, where the user set nothing, before the CUDA context exists: one hardware
@@ -72,7 +96,8 @@ def init_distributed(timeout_s: int = 1800) -> Dist:
     # device_id binds NCCL to this rank's GPU (eager init, and barriers know their device)
     tdist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                              device_id=device if cuda else None)
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    layout = tp_layout(world, tp, rollout_tp if tp % rollout_tp == 0 else 1)  # [dp, tp]
+    mesh = DeviceMesh(device.type, layout, mesh_dim_names=("dp", "tp"))
     return Dist(rank, world, local_rank, device, mesh, rank == 0)
 
 

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Annotated, Literal
 
 import tyro
+from transformers import AutoConfig
 
 from agent import AgentConfig
 from core_algos import AdvEstimator, AggMode, KLKind
 from data.calculator import AGENT
 from hybrid_engine import HybridConfig
-from sharding import DTYPES, FSDPConfig, OffloadConfig
+from sharding import DTYPES, FSDPConfig, OffloadConfig, check_tp
 from tracking import Backend
 
 
@@ -316,6 +317,13 @@ class Config:
         if self.train_batch_size % self.ppo_mini_batch_size:
             raise ValueError(f"train_batch_size={self.train_batch_size} must be a multiple of "
                              f"ppo_mini_batch_size={self.ppo_mini_batch_size}")
+        tp = self.fsdp.tp_size
+        if tp > 1 and tp % self.rollout_tp:
+            raise ValueError(f"rollout_tp={self.rollout_tp} with fsdp.tp_size={tp}: the engine's TP must equal the "
+                             f"trainer's, divide it, or be 1 (each engine rank's slices then sit in one tp group)")
+        if tp > 1 and self.lora_rank:
+            raise ValueError(f"lora_rank={self.lora_rank} with fsdp.tp_size={tp}: LoRA adapters under training TP "
+                             "are not supported; use fsdp.tp_size=1")
         if self.agent.tools_path and self.rollout_tp > 1:
             raise ValueError(f"agent.tools_path with rollout_tp={self.rollout_tp}: the agent loop's turns differ per "
                              "rank, and a TP group generates together; use rollout_tp=1")
@@ -459,6 +467,8 @@ def check_paths(cfg) -> None:
             positions = json.load(f).get("max_position_embeddings")
         if isinstance(cfg, Config) and positions is not None:  # RL configs: the lengths the run will use
             check_context(cfg, name, path, positions)
+        if isinstance(cfg, Config) and cfg.fsdp.tp_size > 1:  # heads and MLP width against the TP size
+            check_tp(AutoConfig.from_pretrained(path), cfg.fsdp.tp_size)
     for name in ("train_files", "val_files"):
         for path in split_files(getattr(cfg, name)):
             if not os.path.isfile(path):

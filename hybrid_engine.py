@@ -37,15 +37,19 @@ import ctypes
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as tdist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from comm import Dist, Max, timer
 from perf import GB, peak_memory, reset_peak_memory
 from core_algos import token_log_probs
-from sharding import Merged, cast_dtype, full_tensor, full_weights, weight_groups
+from rollout import Slice
+from sharding import (Block, Merged, holders, cast_dtype, engine_layout, full_tensor, full_weights,
+                      weight_groups)
 
 MB = 1 << 20
 CHECKSUM_CHUNK = 1 << 22  # bytes fingerprinted at a time: bounds the int64 temporaries to 64 MB
@@ -69,9 +73,14 @@ class HybridConfig:
     """Largest allowed log-prob gap of the probe between engine and trainer (fp32; bf16 needs a looser bound)."""
     probe_len: int = 16
     """Tokens per probe sequence (4 fixed random sequences); must be below the engine's max_model_len."""
+    layout: Literal["slices", "full"] = "slices"
+    """With training TP (fsdp.tp_size > 1): slices (HybridFlow's zero-redundancy resharding) hands each engine rank
+    only its own block of every tensor-parallel weight, gathered over "dp" and over the tp ranks whose slices it
+    lacks; full gathers every weight whole on every rank (the reference). Without training TP both are full."""
 
     def __post_init__(self):
         for name, ok, rule in (("bucket_mb", self.bucket_mb >= 0, ">= 0 (0: one layer a bucket)"),
+                               ("layout", self.layout in ("slices", "full"), "slices or full"),
                                ("verify_tol", self.verify_tol > 0, "> 0"), ("probe_len", self.probe_len >= 2, ">= 2")):
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)} must be {rule}")
@@ -86,6 +95,8 @@ class HybridEngine:
         self.bucket_bytes = max(1, int(cfg.bucket_mb * MB))
         self.on_gpu = dist.device.type == "cuda"
         self.probe = probe_tokens(model.config.vocab_size, cfg.probe_len)  # [N, T]
+        # the slice sync (with training TP): what this rank's engine keeps of each tensor-parallel weight
+        self.layout = engine_layout(dist, getattr(rollout, "tp", 1)) if cfg.layout == "slices" else None
         groups = weight_groups(model)
         self.names = sorted(name for group in groups for name, _ in group)  # what a sync hands over
         # LoRA: the groups holding adapted weights; once the engine has the base it keeps (no sleep: CPU), only these
@@ -129,9 +140,9 @@ class HybridEngine:
         nbytes, buckets, names = 0, 0, []
         adapted_only = bool(self.adapted) and self.synced and self.rollout.keeps_weights
         expected = self.adapted if adapted_only else self.names
-        for bucket in full_weights(self.model, self.bucket_bytes, self.dtype, adapted_only):  # collective
+        for bucket in full_weights(self.model, self.bucket_bytes, self.dtype, adapted_only, self.layout):  # collective
             self.rollout.update_weights(self._tap(bucket, received))
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            nbytes += sum(_local(t).numel() * _local(t).element_size() for _, t in bucket)
             names += [name for name, _ in bucket]
             buckets += 1
             del bucket  # else the loop variable keeps it alive while the next bucket is gathered
@@ -142,17 +153,40 @@ class HybridEngine:
         self.synced, self.sent = True, set(expected)
         return nbytes, buckets
 
-    def _tap(self, bucket: list[tuple[str, torch.Tensor]], received: dict):
-        """Hand the bucket over one tensor at a time, fingerprinting each as the engine's loader takes it."""
+    def _tap(self, bucket: list[tuple[str, torch.Tensor | Block]], received: dict):
+        """Hand the bucket over one tensor at a time, fingerprinting each as the engine's loader takes it: received
+        [name] its checksum, or for a Block (handed over as the Slice that vLLM's loaders narrow to it)
+        received[name, offset] its block's."""
         for name, tensor in bucket:
-            if self.cfg.verify_sync:
+            if isinstance(tensor, Block):
+                offset = tuple(tensor.start if d == tensor.dim else 0 for d in range(len(tensor.full_shape)))
+                if self.cfg.verify_sync:
+                    received[name, offset] = block_checksum(tensor.tensor, tensor.full_shape, offset).item()
+                tensor = Slice(tensor.tensor, tensor.full_shape, tensor.dim, tensor.start)
+            elif self.cfg.verify_sync:
                 received[name] = checksum(tensor.reshape(-1), start=0).item()
             yield name, tensor
 
-    def _verify(self, expected: dict[str, int], trainer: torch.Tensor, received: dict[str, int]) -> float:
+    def _verify(self, expected: dict[str, int], trainer: torch.Tensor, received: dict) -> float:
         """sync_errors on this rank, the worst over all ranks (so that every rank raises, rather than the others
-        waiting in the next collective); returns the probe's largest gap."""
-        bad, gap = sync_errors(expected, received, self.rollout, self.probe, trainer)
+        waiting in the next collective); returns the probe's largest gap. A whole tensor's checksum is this rank's
+        to match; a block's (the slice sync) is matched by the blocks of every rank together (all_gather_object):
+        the ranks that got one block agree on it, and the distinct blocks of a weight add up to its checksum."""
+        whole = {k: v for k, v in received.items() if isinstance(k, str)}
+        blocks = {k: v for k, v in received.items() if not isinstance(k, str)}
+        everyone = [blocks]
+        if self.dist.mesh is not None and self.layout is not None:
+            everyone = [None] * self.dist.world_size
+            tdist.all_gather_object(everyone, blocks)
+        seen = {}  # (name, offset): the checksums the ranks that got that block computed
+        for rank_blocks in everyone:
+            for key, value in rank_blocks.items():
+                seen.setdefault(key, set()).add(value)
+        for (name, _), values in seen.items():
+            whole[name] = whole.get(name, 0) + min(values)
+        for name in {name for (name, _), values in seen.items() if len(values) > 1}:  # ranks disagree on a block
+            whole[name] = None
+        bad, gap = sync_errors(expected, whole, self.rollout, self.probe, trainer)
         worst = torch.tensor([float(len(bad)), gap], device=self.dist.device)  # [2]
         if self.dist.mesh is not None:
             tdist.all_reduce(worst, op=tdist.ReduceOp.MAX)
@@ -170,26 +204,29 @@ def probe_tokens(vocab_size: int, probe_len: int) -> torch.Tensor:
 
 
 def trainer_checksums(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
-    """Checksums of the trainer's full weights in the rollout dtype, computed from the local shards and summed across
-    ranks (checksums add over shards), so no rank gathers anything but LoRA's merged weights. Collective under FSDP2."""
-    names, sums, group = [], [], None
+    """Checksums of the trainer's full weights in the rollout dtype, computed from the local shards (block_checksum:
+    each element at its place in the full tensor), summed over every rank and divided by how many ranks hold each
+    block (a shard replicated over "tp" is held tp times; integer sums divide exactly), so no rank gathers anything
+    but LoRA's merged weights. Collective (one all-reduce) under torchrun."""
+    names, sums, copies, distributed = [], [], [], False
     for name, tensor in (entry for g in weight_groups(model) for entry in g):
+        sharded = isinstance(tensor.base if isinstance(tensor, Merged) else tensor, DTensor)
+        distributed |= sharded
         if isinstance(tensor, Merged):  # LoRA: the merge needs the full factors, so this one is gathered
-            local, start = full_tensor(tensor, dtype), 0
-            if isinstance(tensor.base, DTensor):  # every rank holds it whole: one rank's checksum counts
-                group = tensor.base.device_mesh.get_group()
-                local = local if tensor.base.device_mesh.get_local_rank() == 0 else local[:0]
+            local, offset, held_by = full_tensor(tensor, dtype), None, tdist.get_world_size() if sharded else 1
         else:
-            local, start = tensor.detach().to(cast_dtype(tensor, dtype)), 0
-        if isinstance(local, DTensor):
-            group = local.device_mesh.get_group()
-            local, start = local.to_local(), _shard_offset(local)
+            local, offset, held_by = tensor.detach().to(cast_dtype(tensor, dtype)), None, 1
+            if sharded:
+                _, offset = compute_local_shape_and_global_offset(local.shape, local.device_mesh, local.placements)
+                held_by, local = holders(local), local.to_local()
         names.append(name)
-        sums.append(checksum(local.reshape(-1), start).to(device))  # NCCL reduces device tensors
+        copies.append(held_by)
+        offset = tuple(offset or (0,) * local.dim())
+        sums.append(block_checksum(local, tuple(tensor.shape), offset).to(device))  # NCCL reduces device tensors
     sums = torch.stack(sums)  # [P] int64
-    if group is not None:
-        tdist.all_reduce(sums, group=group)  # integer sums: exact in any order
-    return dict(zip(names, sums.tolist()))
+    if distributed:
+        tdist.all_reduce(sums)  # integer sums: exact in any order
+    return {name: total // n for name, total, n in zip(names, sums.tolist(), copies)}
 
 
 @torch.no_grad()
@@ -233,14 +270,29 @@ def checksum(flat: torch.Tensor, start: int) -> torch.Tensor:
     return total
 
 
-def _shard_offset(tensor: DTensor) -> int:
-    """Flat index, in the full tensor, of this rank's first element. FSDP2 shards dim 0 as torch.chunk does:
-    ceil(rows / ranks) rows per rank, the last ones shorter or empty."""
-    if tuple(tensor.placements) != (Shard(0),):
-        raise ValueError(f"expected FSDP2's Shard(0) placement, got {tensor.placements}")
-    rows, ranks = tensor.shape[0], tensor.device_mesh.size()
-    first_row = min(tensor.device_mesh.get_local_rank() * math.ceil(rows / ranks), rows)
-    return first_row * (tensor.numel() // max(rows, 1))
+def block_checksum(local: torch.Tensor, full_shape: tuple, offset: tuple) -> torch.Tensor:
+    """checksum of a block of a full tensor: local [...] at offset (per dim) in a tensor of full_shape, each byte at
+    its place in the full tensor, so the checksums of blocks that tile a tensor add up to its own. A block of whole
+    rows is one contiguous run; a block of columns (a row-wise tensor-parallel slice) is one run per row."""
+    if local.dim() < 2 or tuple(local.shape[1:]) == tuple(full_shape[1:]):
+        return checksum(local.reshape(-1), offset[0] * math.prod(full_shape[1:]) if local.dim() else 0)
+    if local.dim() > 2:
+        raise ValueError(f"block_checksum: a {local.dim()}-d block split along a later dim ({tuple(local.shape)})")
+    itemsize, (rows, cols) = local.element_size(), local.shape
+    data = local.contiguous().view(torch.uint8)  # [rows, cols * itemsize]
+    columns = offset[1] * itemsize + torch.arange(cols * itemsize, device=local.device)  # [cols * itemsize]
+    total = torch.zeros((), dtype=torch.int64, device=local.device)
+    step = max(1, CHECKSUM_CHUNK // max(1, cols * itemsize))  # rows a chunk
+    for r in range(0, rows, step):
+        row = offset[0] + r + torch.arange(min(step, rows - r), device=local.device)  # [s]
+        position = row[:, None] * (full_shape[1] * itemsize) + columns[None, :]  # [s, cols * itemsize]
+        total += (data[r : r + step].long() * (position % 251 + 1)).sum()
+    return total
+
+
+def _local(tensor) -> torch.Tensor:
+    """What a bucket entry hands the engine: the tensor, or a Block's part."""
+    return tensor.tensor if isinstance(tensor, Block) else tensor
 
 
 def release_host_memory() -> None:

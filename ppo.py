@@ -550,7 +550,7 @@ def train(cfg: Config) -> list[dict]:
     records."""
     cfg = with_task_values(cfg, int(os.environ.get("RANK", "0")) == 0)
     check_out_dir(cfg)  # every rank reads the same folder, so all refuse together
-    dist = init_distributed(cfg.dist_timeout_s)
+    dist = init_distributed(cfg.dist_timeout_s, cfg.fsdp.tp_size, cfg.rollout_tp)
     if cfg.train_batch_size % dist.dp_size or cfg.ppo_mini_batch_size % dist.dp_size:
         raise ValueError(f"train_batch_size={cfg.train_batch_size} and ppo_mini_batch_size={cfg.ppo_mini_batch_size}"
                          f" must divide by the {dist.dp_size} data-parallel ranks")

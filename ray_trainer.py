@@ -611,6 +611,10 @@ def check(cfg: Config, rc: RayConfig) -> None:
                              f"{cfg.ppo_mini_batch_size} must divide by {name}={n}")
     if cfg.rollout_backend == "hf" and rc.workers > 1 and not cfg.async_.rollout_workers:
         raise ValueError("rollout_backend='hf' runs in one process only; use 'vllm' with several workers")
+    if cfg.fsdp.tp_size > 1:
+        raise ValueError(f"fsdp.tp_size={cfg.fsdp.tp_size}: training tensor parallelism runs under torchrun "
+                         "(torchrun --nproc_per_node=N grpo.py --fsdp.tp-size K); the Ray controller's groups are "
+                         "data-parallel")
     if cfg.rollout_tp > 1:  # an engine sharded over a worker group's ranks has not been run on the Ray controller
         raise ValueError(f"rollout_tp={cfg.rollout_tp}: the Ray controller's engines (colocated or a rollout pool's) "
                          "run one a worker (rollout_tp 1); a tensor-parallel engine runs under torchrun "

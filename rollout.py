@@ -33,6 +33,36 @@ COUNTS = ("num_turns", "tool_calls", "tool_errors")  # RolloutOutput.counts' key
 NO_KV_USE = {"rollout/kv_cache_usage_max": Max(0.0), "rollout/preemptions": Sum(0.0)}  # kv_cache_stats before any step
 
 
+class Slice(torch.Tensor):
+    """A full-shaped stand-in for a weight of which this engine rank holds one block: vLLM's weight loaders narrow
+    every checkpoint tensor to their rank's part, and this one answers exactly that narrowing with its block (no
+    rank materialises the full tensor); any other use raises. local: the block; dim, start: where it sits."""
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, full_shape: tuple, dim: int, start: int):
+        out = torch.Tensor._make_wrapper_subclass(cls, full_shape, dtype=local.dtype, device=local.device)
+        out.local, out.dim_, out.start = local, dim, start
+        return out
+
+    def __repr__(self) -> str:
+        return f"Slice({tuple(self.shape)}, dim={self.dim_}, rows {self.start}..{self.start + self.local.shape[self.dim_]})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.narrow, torch.narrow):  # vLLM's loaders: narrow(dim, start, length)
+            self, dim, start, length = (list(args) + list((kwargs or {}).values()))[:4]
+            if (dim % self.dim(), start, length) == (self.dim_, self.start, self.local.shape[self.dim_]):
+                return self.local
+            raise RuntimeError(f"{self!r}: narrowed to {start}..{start + length} along dim {dim}, not to its block: "
+                               "the engine's tensor-parallel split differs from the trainer's (sharding.TP_PLAN)")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"{args[0]!r}: a weight block allows only its engine rank's narrowing, not {func}")
+
+
 @dataclass
 class RolloutOutput:
     responses: list[list[int]]
@@ -62,13 +92,13 @@ def sample_seed(seed: int, step: int, row: int) -> int:
 
 def make_rollout(backend: str, *, model_path: str, model, tokenizer, device: torch.device, in_group: bool,
                  max_model_len: int, seed: int = 0, dtype: str = "float32", gpu_memory_utilization: float = 0.5,
-                 tp: int = 1, cuda_graphs: bool = False, verbose: bool = False):
-    """backend "vllm": an engine loaded from model_path (in_group, tp: see VLLMRollout); "hf": generate with the
-    trainer's own `model` on `device`."""
+                 tp: int = 1, shared_prompts: bool = False, cuda_graphs: bool = False, verbose: bool = False):
+    """backend "vllm": an engine loaded from model_path (in_group, tp, shared_prompts: see VLLMRollout); "hf":
+    generate with the trainer's own `model` on `device`."""
     if backend == "vllm":
         return VLLMRollout(model_path, max_model_len=max_model_len, seed=seed, dtype=dtype,
                            gpu_memory_utilization=gpu_memory_utilization, in_group=in_group, tp=tp,
-                           cuda_graphs=cuda_graphs, verbose=verbose)
+                           shared_prompts=shared_prompts, cuda_graphs=cuda_graphs, verbose=verbose)
     if tp != 1:
         raise ValueError(f"rollout_tp={tp}: tensor parallelism needs the vllm backend, not {backend!r}")
     if backend == "hf":
@@ -89,11 +119,13 @@ class VLLMRollout:
 
     def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0, dtype: str = "float32",
                  gpu_memory_utilization: float = 0.5, cpu_kv_cache_bytes: int = CPU_KV_CACHE_BYTES,
-                 in_group: bool = False, tp: int = 1, cuda_graphs: bool = False, verbose: bool = False):
+                 in_group: bool = False, tp: int = 1, shared_prompts: bool = False, cuda_graphs: bool = False,
+                 verbose: bool = False):
         """gpu_memory_utilization: the share of device memory the engine takes on GPU (colocated with the trainer);
         on CPU the engine takes a KV cache of cpu_kv_cache_bytes instead (resident from the start). cuda_graphs: GPU
         decoding with CUDA graphs (only valid while weight syncs rewrite weights in place). verbose: keep vLLM's INFO
-        lines (a few hundred a run, e.g. one a step for the prefix-cache reset); else warnings only."""
+        lines (a few hundred a run, e.g. one a step for the prefix-cache reset); else warnings only. shared_prompts:
+        the ranks of a TP group hold the same prompts (one trainer tp group, which shares its data): none gather."""
         # In-process engine: starts in seconds, and its worker (hence its weights) is reachable from here.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # read when vllm is first imported (here, in a training run); a level the user set wins
@@ -110,7 +142,7 @@ class VLLMRollout:
         memory = (dict(kv_cache_memory_bytes=cpu_kv_cache_bytes, enable_chunked_prefill=False,
                        max_num_batched_tokens=max(4096, max_model_len)) if self.on_cpu
                   else dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True))
-        self.tp_group = None
+        self.tp_group, self.tp, self.shared_prompts = None, tp, shared_prompts
         if in_group:
             if tdist.get_world_size() % tp:
                 raise ValueError(f"rollout_tp={tp} must divide the {tdist.get_world_size()} ranks")
@@ -162,7 +194,7 @@ class VLLMRollout:
         prompts are generated together, and this rank gets back its own prompts' samples."""
         kwargs = dict(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos,
                       stop_token_ids=stop_token_ids)
-        if self.tp_group is None:
+        if self.tp_group is None or self.shared_prompts:  # the group's requests are this rank's already
             return self._generate(prompts, seeds, **kwargs)
         shards = [None] * tdist.get_world_size(self.tp_group)
         tdist.all_gather_object(shards, (prompts, seeds), group=self.tp_group)  # in TP-rank order, the same everywhere

@@ -34,6 +34,7 @@ names the newest complete step folder.
 """
 
 import json
+import math
 import os
 import shutil
 from contextlib import contextmanager
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from comm import Dist, barrier
@@ -59,6 +61,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class FSDPConfig:
+    tp_size: int = 1
+    """Tensor parallelism inside each decoder layer (verl's fsdp_config.tp_size): groups of tp_size consecutive ranks
+    share a shard of the data and split q/k/v, o, gate/up and down (sharding.parallelize); FSDP2 shards over the
+    world / tp_size groups. For a model whose layers, gradients and AdamW state do not fit a device, or whose
+    activations at long responses do not. 1: data parallelism only."""
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype that forward/backward compute in (MixedPrecisionPolicy casts the gathered parameters; in one process,
     without FSDP, torch.autocast); masters keep the load dtype."""
@@ -74,6 +81,11 @@ class FSDPConfig:
     on the CPU, each layer is copied in for its forward and backward. For models whose state does not fit at all."""
 
     def __post_init__(self):
+        if self.tp_size < 1:
+            raise ValueError(f"fsdp.tp_size={self.tp_size} must be >= 1")
+        if self.tp_size > 1 and self.cpu_offload:
+            raise ValueError(f"fsdp.tp_size={self.tp_size} with fsdp.cpu_offload: FSDP2's CPU offload of "
+                             "tensor-parallel shards is not supported here; use --offload.* instead")
         for field in ("param_dtype", "reduce_dtype"):
             if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field}={getattr(self, field)!r}: choose one of {sorted(DTYPES)}")
@@ -171,8 +183,53 @@ def decoder_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if any(c.__name__ in classes for c in type(m).__mro__)]
 
 
+# The tensor-parallel plan of one decoder layer (Megatron's split, Shoeybi et al. 2019): q, k, v and gate, up
+# column-wise (each rank its heads, its MLP columns), o and down row-wise (their partial sums all-reduced), so a layer
+# communicates twice a pass. Norms, the embedding and the LM head stay whole on every tp rank (FSDP still shards them
+# over "dp"): the log-prob pass's logits are then the one-process run's, a chunk at a time (head_log_probs), and the
+# vLLM engine's vocabulary split needs no matching layout.
+TP_PLAN = {"self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel,
+           "self_attn.v_proj": ColwiseParallel, "self_attn.o_proj": RowwiseParallel,
+           "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel, "mlp.down_proj": RowwiseParallel}
+TP_DIM = {name.split(".")[-1]: 0 if style is ColwiseParallel else 1 for name, style in TP_PLAN.items()}  # weight dim
+
+
+def check_tp(config, tp: int, model_class: str = "") -> None:
+    """Refuse a tensor-parallel size the model cannot take, naming the numbers: heads and kv heads must divide by it
+    (each rank holds whole heads), and so must the MLP's width."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name, None)
+        if value is not None and value % tp:
+            raise ValueError(f"fsdp.tp_size={tp}: the model's {name}={value} does not divide by it")
+
+
+def parallelize(model: torch.nn.Module, dist: Dist, cfg: FSDPConfig) -> None:
+    """The whole plan of a decoder on the ("dp", "tp") mesh, torchtitan's shape: TP_PLAN inside every decoder layer
+    over "tp" (torch's parallelize_module; HF's attention views its q/k/v as (-1, head_dim), so it runs on its local
+    heads, heads / tp, as they are), then FSDP2 over "dp" (_shard)."""
+    tp = dist.mesh["tp"]
+    if tp.size() > 1:
+        check_tp(model.config, tp.size())
+        for name, layer in decoder_layers(model):
+            missing = [n for n in TP_PLAN if not isinstance(_submodule(layer, n), torch.nn.Linear)]
+            if missing:
+                raise ValueError(f"fsdp.tp_size={tp.size()}: {type(model).__name__} has no tensor-parallel plan "
+                                 f"(sharding.TP_PLAN: its layer {name} lacks the linears {missing})")
+            # src_data_rank None: each rank cuts its slices from its own copy (meta on ranks > 0: set_model_state_dict
+            # fills them from rank 0 afterwards, as without TP)
+            parallelize_module(layer, tp, {n: style() for n, style in TP_PLAN.items()}, src_data_rank=None)
+    _shard(model, dist, cfg)
+
+
+def _submodule(module: torch.nn.Module, name: str):
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def _shard(model: torch.nn.Module, dist: Dist, cfg: FSDPConfig) -> None:
-    """fully_shard every decoder layer, then the root (which takes the remaining parameters)."""
+    """fully_shard every decoder layer, then the root (which takes the remaining parameters), over "dp"."""
     layers = [m for _, m in decoder_layers(model)]
     if not layers:
         raise ValueError(f"{type(model).__name__}: no module of a _no_split_modules class {model._no_split_modules}")
@@ -223,7 +280,7 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
         compute_in(model.to(dist.device), DTYPES[cfg.param_dtype])
         return _set_trainable(model, trainable, gradient_checkpointing, lora)
     full_state = model.state_dict() if dist.rank == 0 else {}  # full tensors, kept past fully_shard's swap to shards
-    _shard(model, dist, cfg)  # the shards on the mesh's device, or (cpu_offload) in host memory
+    parallelize(model, dist, cfg)  # the shards on the mesh's device, or (cpu_offload) in host memory
     if dist.rank != 0:  # shards where fully_shard would have put them; buffers, which FSDP leaves alone, on the device
         model.to_empty(device="cpu" if cfg.cpu_offload else dist.device)
         for buffer in model.buffers():
@@ -238,10 +295,29 @@ def load_sharded_model(model_path: str, dist: Dist, cfg: FSDPConfig | None = Non
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Scale gradients to a global L2 norm of at most max_norm; the norm before clipping, as a float. Collective:
-    clip_grad_norm_ reduces the norms of FSDP2's gradient shards across ranks (a replicated DTensor comes back)."""
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    """Scale gradients to a global L2 norm of at most max_norm; the norm before clipping, as a float. Collective
+    over every rank: each gradient's local block counts once, divided by its copies (a shard replicated over "tp",
+    as the norms' and the embedding's are, lives on tp ranks alike), so the gradients of several meshes (FSDP2's
+    over "dp", the tensor-parallel layers' over ("dp", "tp")) sum into one norm."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        local, copies = (g.to_local(), holders(g)) if isinstance(g, DTensor) else (g, 1)
+        squares += local.double().square().sum() / copies
+    if tdist.is_initialized() and any(isinstance(g, DTensor) for g in grads):
+        tdist.all_reduce(squares)  # the default group: every rank
+    norm = squares.sqrt().item()
+    if norm > max_norm:  # as clip_grad_norm_: scale by max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
+def holders(t: DTensor) -> int:
+    """How many ranks hold the same local block of t: the world over the sizes of the mesh dims that shard it
+    (Shard, and FSDP2's _StridedShard over "dp" of a column-wise slice, whose is_shard() says False)."""
+    sharded = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if hasattr(p, "dim"))
+    return tdist.get_world_size() // sharded
 
 
 # ---- Full weights, bucket by bucket (the hybrid engine's weight sync) -----------------------------
@@ -341,12 +417,81 @@ def weight_buckets(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype
 
 
 def full_weights(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None,
-                 adapted_only: bool = False):
+                 adapted_only: bool = False, layout: "EngineLayout | None" = None):
     """Yield lists of (HF name, full tensor in dtype): weight_buckets, each gathered when it is yielded. Collective:
     every rank iterates, every rank gets the full tensors. This generator keeps no reference to a bucket, so once
-    the caller drops it no second full copy of the model exists."""
+    the caller drops it no second full copy of the model exists. layout: the tensor-parallel weights come as this
+    rank's engine Block instead (engine_block: HybridFlow's zero-redundancy resharding)."""
     for bucket in weight_buckets(model, bucket_bytes, dtype, adapted_only):
-        yield [(n, full_tensor(t, dtype)) for n, t in bucket]
+        yield [(n, full_tensor(t, dtype) if layout is None else engine_block(t, dtype, layout)) for n, t in bucket]
+
+
+def _gather_dp(tensor: DTensor, rows: int) -> torch.Tensor:
+    """This rank's tensor-parallel slice of a weight (rows along dim 0), whole: FSDP2's dim-0 shards of it gathered
+    over "dp" (the shards follow torch.chunk: ceil(rows / dp) rows each, the last ones shorter or empty).
+    DTensor's own redistribute of FSDP2's _StridedShard placement put the rows out of order (torch 2.13)."""
+    group, local = tensor.device_mesh.get_group("dp"), tensor.to_local()
+    dp = tdist.get_world_size(group)
+    chunk = math.ceil(rows / dp)
+    sizes = [max(0, min(chunk, rows - d * chunk)) for d in range(dp)]
+    padded = torch.zeros((chunk, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(dp)]
+    tdist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+
+
+@dataclass
+class EngineLayout:
+    """What one rollout-engine rank holds of each tensor-parallel weight (the trainer's tp 2 or more): the engine's
+    TP size, this rank's place in it, and the process group of the trainer tp ranks whose slices make its block
+    (comm.tp_layout puts them on the ranks of this engine rank; None: the rank's own slice is the block)."""
+    rollout_tp: int
+    engine_rank: int
+    group: object
+
+
+@dataclass
+class Block:
+    """An engine rank's block of a weight: tensor [...], the part at start along dim of a weight of full_shape."""
+    tensor: torch.Tensor
+    dim: int
+    start: int
+    full_shape: tuple
+
+
+def engine_layout(dist: Dist, rollout_tp: int) -> EngineLayout | None:
+    """The slice sync's layout for an engine of rollout_tp ranks beside a trainer of dist.tp_size (which rollout_tp
+    divides); None without training TP (every engine rank then takes full tensors). Collective (the groups)."""
+    tp = dist.tp_size
+    if tp == 1:
+        return None
+    g = tp // rollout_tp  # trainer slices in one engine block
+    groups = [[base + j * rollout_tp + e for j in range(g)] for base in range(0, dist.world_size, tp)
+              for e in range(rollout_tp)]
+    group = tdist.new_subgroups_by_enumeration(groups, backend="gloo" if dist.device.type == "cpu" else None)[0] \
+        if g > 1 else None
+    return EngineLayout(rollout_tp, dist.rank % rollout_tp, group)
+
+
+def engine_block(tensor: torch.Tensor, dtype: torch.dtype | None, layout: EngineLayout) -> torch.Tensor | Block:
+    """This engine rank's part of a weight in dtype: a tensor-parallel weight gathered over "dp" (its trainer tp
+    slice), then over the tp ranks in layout.group (the slices its block lacks), as a Block (the full tensor when
+    the engine has one rank); any other weight whole (full_tensor: the engine splits the vocabulary itself).
+    Collective: over "dp", and over layout.group."""
+    tensor = tensor.detach().to(cast_dtype(tensor, dtype))
+    names = getattr(getattr(tensor, "device_mesh", None), "mesh_dim_names", None) or ()
+    if "tp" not in names or not tensor.placements[names.index("tp")].is_shard():
+        return full_tensor(tensor, None)
+    dim = tensor.placements[names.index("tp")].dim
+    local = _gather_dp(tensor, rows=tensor.shape[0] // (tensor.device_mesh["tp"].size() if dim == 0 else 1))
+    if layout.group is not None:
+        parts = [torch.empty_like(local) for _ in range(tdist.get_world_size(layout.group))]
+        tdist.all_gather(parts, local.contiguous(), group=layout.group)
+        local = torch.cat(parts, dim)
+    if layout.rollout_tp == 1:
+        return local
+    return Block(local, dim, layout.engine_rank * local.shape[dim], tuple(tensor.shape))
 
 
 # ---- Checkpoints (DCP: sharded, resharding on load) and HF export ---------------------------------

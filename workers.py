@@ -406,7 +406,7 @@ class ActorWorker(Worker):
         if not cfg.async_.rollout_workers:
             self.rollout = make_rollout(cfg.rollout_backend, model_path=model_path, model=self.model,
                                         tokenizer=self.tokenizer, in_group=dist.mesh is not None, tp=cfg.rollout_tp,
-                                        **engine_args(cfg, dist.device))
+                                        shared_prompts=dist.tp_size > 1, **engine_args(cfg, dist.device))
             self.hybrid = HybridEngine(self.model, self.rollout, dist, cfg.hybrid, DTYPES[cfg.fsdp.param_dtype])
             self.sampler = AgentLoop(self.rollout, self.tokenizer, cfg.agent) if cfg.agent.tools_path else self.rollout
 
