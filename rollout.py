@@ -45,7 +45,8 @@ class Slice(torch.Tensor):
         return out
 
     def __repr__(self) -> str:
-        return f"Slice({tuple(self.shape)}, dim={self.dim_}, rows {self.start}..{self.start + self.local.shape[self.dim_]})"
+        end = self.start + self.local.shape[self.dim_]
+        return f"Slice({tuple(self.shape)}, dim {self.dim_}: {self.start}..{end})"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
