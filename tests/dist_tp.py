@@ -9,11 +9,13 @@ gradients (PPO's and GRPO's loss terms: clipped surrogate, KL, entropy; also wit
 and gradient checkpointing), the weights after one AdamW step, the
 critic's values; a checkpoint of the updated actor, which a dp 4 x tp 1 actor then loads (its full weights and
 AdamW state); and a verified sync of the slice path into the TP-2 engines (checksums of the blocks, the probe),
-with the bytes each rank handed over. Each rank writes OUT_DIR/rank{r}.pt.
+then one of the full path (hybrid.layout full), with the bytes each rank handed over. Each rank writes
+OUT_DIR/rank{r}.pt.
 """
 
 import os
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
@@ -24,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from comm import Dist, init_distributed, shutdown, tp_layout  # noqa: E402
-from hybrid_engine import HybridConfig  # noqa: E402
+from hybrid_engine import HybridConfig, HybridEngine  # noqa: E402
 from sharding import FSDPConfig, full_weights  # noqa: E402
 from workers import ActorWorker, CriticWorker  # noqa: E402
 
@@ -90,6 +92,11 @@ def main(model_dir: str, out_dir: str):
     out, metrics = engine.generate(PROMPTS[dist.dp_rank], seeds=[0, 1])
     res["sync"] = {k: v for k, v in metrics.items() if k.startswith("reshard/")}
     res["responses"] = out["responses"]
+    # the reference path into the same engines: every weight whole on every rank (vLLM cuts its own blocks)
+    engine.hybrid = HybridEngine(engine.model, engine.rollout, dist, replace(engine.cfg.hybrid, layout="full"),
+                                 torch.float32)
+    res["full_sync"] = {k: v for k, v in engine.generate(PROMPTS[dist.dp_rank], seeds=[0, 1])[1].items()
+                        if k.startswith("reshard/")}
     torch.save(res, os.path.join(out_dir, f"rank{dist.rank}.pt"))
     engine.close()
     shutdown(dist)
