@@ -115,8 +115,7 @@ def test_a_tp_checkpoint_resumes_at_other_layouts(tp_model, four_ranks):
 def test_the_slice_sync_hands_each_engine_rank_its_own_blocks(tp_model, four_ranks):
     """The engines (TP 2, ranks 0-1 and 2-3) got only their blocks of the tensor-parallel weights: each rank handed
     over the whole of the other weights and half of the layers' matmuls (the full path: all of it), and every sync
-    passed verify_sync (the
-    blocks' checksums together, and the probe within 1e-4)."""
+    passed verify_sync (the blocks' checksums together, and the probe within 1e-4)."""
     _, ranks = four_ranks
     model = build_tiny_qwen2(build_byte_tokenizer(), TP_MODEL)
     layers = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_proj.weight") or
