@@ -52,6 +52,7 @@ from sharding import (Block, Merged, holders, cast_dtype, engine_layout, full_te
                       weight_groups)
 
 MB = 1 << 20
+VOCAB_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")  # split over the vocabulary by a TP engine
 CHECKSUM_CHUNK = 1 << 22  # bytes fingerprinted at a time: bounds the int64 temporaries to 64 MB
 PROBE_SEQS = 4  # sequences in the probe batch
 try:
@@ -97,6 +98,8 @@ class HybridEngine:
         self.probe = probe_tokens(model.config.vocab_size, cfg.probe_len)  # [N, T]
         # the slice sync (with training TP): what this rank's engine keeps of each tensor-parallel weight
         self.layout = engine_layout(dist, getattr(rollout, "tp", 1)) if cfg.layout == "slices" else None
+        # the embedding's and LM head's rows this rank's engine keeps (they are whole on every trainer tp rank)
+        self.vocab_rows = rollout.vocab_rows() if self.layout is not None and self.layout.rollout_tp > 1 else None
         groups = weight_groups(model)
         self.names = sorted(name for group in groups for name, _ in group)  # what a sync hands over
         # LoRA: the groups holding adapted weights; once the engine has the base it keeps (no sleep: CPU), only these
@@ -141,8 +144,9 @@ class HybridEngine:
         adapted_only = bool(self.adapted) and self.synced and self.rollout.keeps_weights
         expected = self.adapted if adapted_only else self.names
         for bucket in full_weights(self.model, self.bucket_bytes, self.dtype, adapted_only, self.layout):  # collective
-            self.rollout.update_weights(self._tap(bucket, received))
-            nbytes += sum(_local(t).numel() * _local(t).element_size() for _, t in bucket)
+            handed = []  # the bytes of each tensor as the engine takes it (a block: its own part)
+            self.rollout.update_weights(self._tap(bucket, received, handed))
+            nbytes += sum(handed)
             names += [name for name, _ in bucket]
             buckets += 1
             del bucket  # else the loop variable keeps it alive while the next bucket is gathered
@@ -153,18 +157,24 @@ class HybridEngine:
         self.synced, self.sent = True, set(expected)
         return nbytes, buckets
 
-    def _tap(self, bucket: list[tuple[str, torch.Tensor | Block]], received: dict):
+    def _tap(self, bucket: list[tuple[str, torch.Tensor | Block]], received: dict, handed: list):
         """Hand the bucket over one tensor at a time, fingerprinting each as the engine's loader takes it: received
         [name] its checksum, or for a Block (handed over as the Slice that vLLM's loaders narrow to it)
         received[name, offset] its block's."""
         for name, tensor in bucket:
+            if self.vocab_rows and name.endswith(VOCAB_WEIGHTS) and not isinstance(tensor, Block):
+                start, end = self.vocab_rows
+                tensor = Block(tensor[start:end], 0, start, tuple(tensor.shape))
             if isinstance(tensor, Block):
                 offset = tuple(tensor.start if d == tensor.dim else 0 for d in range(len(tensor.full_shape)))
                 if self.cfg.verify_sync:
                     received[name, offset] = block_checksum(tensor.tensor, tensor.full_shape, offset).item()
+                handed.append(tensor.tensor.numel() * tensor.tensor.element_size())
                 tensor = Slice(tensor.tensor, tensor.full_shape, tensor.dim, tensor.start)
-            elif self.cfg.verify_sync:
-                received[name] = checksum(tensor.reshape(-1), start=0).item()
+            else:
+                handed.append(tensor.numel() * tensor.element_size())
+                if self.cfg.verify_sync:
+                    received[name] = checksum(tensor.reshape(-1), start=0).item()
             yield name, tensor
 
     def _verify(self, expected: dict[str, int], trainer: torch.Tensor, received: dict) -> float:
@@ -288,11 +298,6 @@ def block_checksum(local: torch.Tensor, full_shape: tuple, offset: tuple) -> tor
         position = row[:, None] * (full_shape[1] * itemsize) + columns[None, :]  # [s, cols * itemsize]
         total += (data[r : r + step].long() * (position % 251 + 1)).sum()
     return total
-
-
-def _local(tensor) -> torch.Tensor:
-    """What a bucket entry hands the engine: the tensor, or a Block's part."""
-    return tensor.tensor if isinstance(tensor, Block) else tensor
 
 
 def release_host_memory() -> None:

@@ -247,6 +247,13 @@ class VLLMRollout:
         model = self._worker().model_runner.model
         return {name: t.data_ptr() for name, t in (*model.named_parameters(), *model.named_buffers()) if t.numel()}
 
+    def vocab_rows(self) -> tuple[int, int]:
+        """The vocabulary rows [start, end) of the embedding and LM head that this engine rank holds (vLLM pads the
+        vocabulary and splits it over its TP ranks): what the slice sync hands it of those weights."""
+        model = self._worker().model_runner.model
+        index = next(m.shard_indices for m in model.modules() if hasattr(m, "shard_indices"))
+        return index.org_vocab_start_index, index.org_vocab_end_index
+
     def check_storage(self) -> None:
         """CUDA graphs replay the addresses they captured: a reload must write the weights into the same storage.
         Raises, naming the tensors, when a reload moved any (cuda_graphs checks it after every sync)."""

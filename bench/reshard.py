@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python bench/reshard.py                    # ~10M, ~100M and ~300M-parameter Qwen2s, fp32 and bf16
     OMP_NUM_THREADS=1 python bench/reshard.py --sizes 10m --dtypes float32   # one model, one dtype, quick
+    OMP_NUM_THREADS=1 python bench/reshard.py --layouts dp2 tp2-full tp2-slices --dtypes float32   # training TP
 
 For each size the launcher builds a Qwen2 from a config (random weights, tied embeddings, vocab 32k) and saves it;
 for each rollout dtype it runs this file under `torchrun --nproc_per_node=2` as the measuring workers. The trainer's
@@ -23,6 +24,14 @@ trainer's weights into the engines:
 Per rank: seconds per sync, and peak extra memory during it (the process's peak RSS after a reset, minus its RSS
 before: perf.reset_peak_memory / peak_memory; the heap's free pages are handed back to the OS before each
 call, so that pages kept from an earlier call do not hide new ones). The tables show the slower / larger rank.
+
+Layouts (--layouts): the sync into one vLLM engine sharded over both ranks (rollout_tp 2), one-layer buckets,
+from a trainer at dp 2 (today's --rollout-tp 2: every rank gathers full tensors, vLLM cuts its half), at tp 2 with
+the full path (hybrid.layout full), and at tp 2 with the slice path (each rank gathers its own blocks over "dp",
+here of size 1: nothing, and hands vLLM only them). Per layout: seconds a sync, the bytes each rank handed its engine
+and received through gathers (an all-gather sends what it receives), its peak extra memory against the floor (the
+engine's share of the model, model / rollout_tp, plus one bucket of it), and HybridFlow's figure: the weights a rank
+holds during the switch (its training shards, its engine's share, the sync's extra) over the engine's share.
 
 Memory: the launcher watches the machine's available memory while the workers run and prints the most they took.
 At 300M fp32 that was 11.3 GB for the two ranks. On a machine other jobs load, the kernel's OOM killer may SIGKILL
@@ -51,9 +60,9 @@ from comm import barrier, broadcast_object, init_distributed  # noqa: E402
 from hybrid_engine import MB, HybridConfig, HybridEngine, release_host_memory  # noqa: E402
 from perf import peak_memory, reset_peak_memory  # noqa: E402
 from rollout import VLLMRollout  # noqa: E402
-from sharding import DTYPES, export_hf, full_weights, load_sharded_model  # noqa: E402
+from sharding import DTYPES, FSDPConfig, export_hf, full_weights, load_sharded_model  # noqa: E402
 
-# name: (hidden, layers, intermediate); head size 64, 4 query heads per KV head
+# name: (hidden, layers, intermediate); head size 64, 4 query heads per KV head (2 in the layouts)
 OOM_MARGIN_MB = 512  # available memory this low while the workers ran, and a rank died: the OOM killer's doing
 SIZES = {"10m": (256, 4, 704), "100m": (768, 12, 2048), "300m": (1024, 24, 2816)}
 VOCAB = 32000
@@ -76,6 +85,10 @@ class BenchConfig:
     """Internal: the saved model the workers load."""
     dtype: str = "float32"
     """Internal: the rollout dtype a measuring worker uses."""
+    layouts: tuple[str, ...] = ()
+    """Measure these trainer layouts instead (dp2, tp2-full, tp2-slices: the module docstring); () the methods."""
+    layout: str | None = None
+    """Internal: the layout a measuring worker runs."""
 
 
 def measure(fn, device, repeats: int) -> dict:
@@ -90,6 +103,34 @@ def measure(fn, device, repeats: int) -> dict:
         seconds.append(time.perf_counter() - start)
         extra = max(extra, peak_memory(device) - at_start)
     return {"s": sum(seconds) / repeats, "extra_mb": extra / MB}
+
+
+def layout_worker(cfg: BenchConfig) -> None:
+    """One layout's sync into a TP-2 engine (the module docstring); rank 0 writes both ranks' numbers."""
+    tp = 1 if cfg.layout == "dp2" else 2
+    dist = init_distributed(tp=tp, rollout_tp=2)
+    model = load_sharded_model(cfg.model_dir, dist, FSDPConfig(tp_size=tp))
+    dtype = DTYPES[cfg.dtype]
+    rollout = VLLMRollout(cfg.model_dir, max_model_len=64, dtype=cfg.dtype, cpu_kv_cache_bytes=KV_CACHE_BYTES,
+                          in_group=True, tp=2, shared_prompts=tp > 1)
+    hybrid = HybridEngine(model, rollout, dist, HybridConfig(layout="full" if cfg.layout == "tp2-full" else "slices"),
+                          dtype)
+    metrics = {}
+
+    def sync():
+        with hybrid.rollout_mode(metrics):
+            pass
+
+    mine = measure(sync, dist.device, cfg.repeats)
+    local = sum(p.to_local().numel() for p in model.parameters()) * dtype.itemsize  # this rank's training shards
+    handed = metrics["reshard/bytes"]
+    # what came through gathers: what the rank handed over beyond its own shards (an all-gather sends as much)
+    mine.update(params=sum(p.numel() for p in model.parameters()), handed_mb=handed / MB, local_mb=local / MB,
+                received_mb=max(0, handed - local) / MB)
+    everyone = [broadcast_object(mine, dist, src=r) for r in range(dist.world_size)]
+    if dist.is_main:
+        Path(cfg.worker_out).write_text(json.dumps(everyone))
+    barrier(dist)
 
 
 def worker(cfg: BenchConfig) -> None:
@@ -135,11 +176,12 @@ def worker(cfg: BenchConfig) -> None:
     barrier(dist)  # no destroy_process_group: the engine's own shutdown at exit destroys it
 
 
-def save_model(size: str, root: str) -> str:
+def save_model(size: str, root: str, kv_per_256: int = 1) -> str:
+    """SIZES[size] as a Qwen2 with kv_per_256 KV heads per 256 of width (2 for the layouts: tp 2 splits them)."""
     hidden, layers, intermediate = SIZES[size]
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
-                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256, tie_word_embeddings=True,
-                         max_position_embeddings=512)
+                         num_attention_heads=hidden // 64, num_key_value_heads=kv_per_256 * hidden // 256,
+                         tie_word_embeddings=True, max_position_embeddings=512)
     model_dir = os.path.join(root, size)
     Qwen2ForCausalLM(config).save_pretrained(model_dir)
     return model_dir
@@ -151,11 +193,11 @@ def available_mb() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 1024
 
 
-def launch(cfg: BenchConfig, model_dir: str, dtype: str) -> tuple[list[dict], float]:
+def launch(cfg: BenchConfig, model_dir: str, dtype: str, layout: str | None = None) -> tuple[list[dict], float]:
     """The workers' numbers, and the most memory (MB) the machine lost while they ran."""
-    out = f"{model_dir}-{dtype}.json"
+    out = f"{model_dir}-{dtype}-{layout}.json"
     flags = [f"--repeats={cfg.repeats}", f"--bucket-mb={cfg.bucket_mb}", f"--model-dir={model_dir}",
-             f"--dtype={dtype}", f"--worker-out={out}"]
+             f"--dtype={dtype}", f"--worker-out={out}"] + ([f"--layout={layout}"] if layout else [])
     at_launch = lowest = available_mb()
     done = threading.Event()
 
@@ -182,7 +224,33 @@ def launch(cfg: BenchConfig, model_dir: str, dtype: str) -> tuple[list[dict], fl
     return json.loads(Path(out).read_text()), at_launch - lowest
 
 
+def layouts_main(cfg: BenchConfig) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for size in cfg.sizes:
+            model_dir = save_model(size, root, kv_per_256=2)
+            for dtype in cfg.dtypes:
+                for layout in cfg.layouts:
+                    ranks, took_mb = launch(cfg, model_dir, dtype, layout)
+                    rows.append((size, dtype, layout, ranks, took_mb))
+    print(f"\nWeight sync into one vLLM engine over 2 ranks (rollout_tp 2), one-layer buckets, fp32 masters, mean of "
+          f"{cfg.repeats} after a warm-up; the larger rank's figures")
+    print(f"{'size':<6} {'dtype':<9} {'layout':<11} {'s/sync':>7} {'handed MB':>10} {'received MB':>12} "
+          f"{'extra MB':>9} {'floor MB':>9} {'resident / share':>17}")
+    for size, dtype, layout, ranks, took_mb in rows:
+        model_mb = ranks[0]["params"] * DTYPES[dtype].itemsize / MB
+        share = model_mb / 2  # the engine's share of the model at rollout_tp 2
+        layer_mb = model_mb / SIZES[size][1]  # about one decoder layer: the bucket
+        worst = {k: max(r[k] for r in ranks) for k in ("s", "handed_mb", "received_mb", "extra_mb", "local_mb")}
+        floor = share + layer_mb / 2
+        resident = (worst["local_mb"] + share + worst["extra_mb"]) / share
+        print(f"{size:<6} {dtype:<9} {layout:<11} {worst['s']:>7.3f} {worst['handed_mb']:>10.0f} "
+              f"{worst['received_mb']:>12.0f} {worst['extra_mb']:>9.0f} {floor:>9.0f} {resident:>17.2f}")
+
+
 def main(cfg: BenchConfig) -> None:
+    if cfg.layouts:
+        return layouts_main(cfg)
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for size in cfg.sizes:
@@ -211,4 +279,4 @@ def main(cfg: BenchConfig) -> None:
 
 if __name__ == "__main__":
     cli = tyro.cli(BenchConfig)
-    worker(cli) if cli.worker_out else main(cli)
+    (layout_worker if cli.layout else worker)(cli) if cli.worker_out else main(cli)

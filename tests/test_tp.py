@@ -113,16 +113,19 @@ def test_a_tp_checkpoint_resumes_at_other_layouts(tp_model, four_ranks):
 
 
 def test_the_slice_sync_hands_each_engine_rank_its_own_blocks(tp_model, four_ranks):
-    """The engines (TP 2, ranks 0-1 and 2-3) got only their blocks of the tensor-parallel weights: each rank handed
-    over the whole of the other weights and half of the layers' matmuls (the full path: all of it), and every sync
+    """The engines (TP 2, ranks 0-1 and 2-3) got only their blocks: each rank handed over half of the layers' matmuls
+    and its engine rank's vocabulary rows of the embedding, the norms whole (the full path: all of it), and every sync
     passed verify_sync (the blocks' checksums together, and the probe within 1e-4)."""
     _, ranks = four_ranks
     model = build_tiny_qwen2(build_byte_tokenizer(), TP_MODEL)
     layers = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_proj.weight") or
                  n.endswith("_proj.bias"))
     rest = sum(p.numel() for p in model.parameters()) - layers
-    for r in ranks:
-        assert r["sync"]["reshard/bytes"] == 4 * (layers // 2 + rest)  # fp32
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    per_rank = -(-vocab // 64) * 64 // 2  # vLLM pads the vocabulary to a multiple of 64, then splits it
+    for rank, r in enumerate(ranks):
+        rows = min(per_rank, vocab - (rank % 2) * per_rank)  # the engine rank's vocabulary rows (tied: the head's)
+        assert r["sync"]["reshard/bytes"] == 4 * (layers // 2 + rest - vocab * hidden + rows * hidden)  # fp32
         assert r["full_sync"]["reshard/bytes"] == 4 * (layers + rest)  # the reference: every weight whole
         for sync in ("sync", "full_sync"):
             assert r[sync]["reshard/probe_logprob_diff_max"] <= 1e-4, sync
