@@ -3,6 +3,7 @@ every role offloaded, and the checks a CPU test cannot make.
 
     python bench/gpu_smoke.py                        # on a GPU machine (~3 min on one H200)
     python bench/gpu_smoke.py --size tiny            # the same runs and checks on CPU, with a tiny model (~1 min)
+    python bench/gpu_smoke.py --tp 2                 # the fsdp run with training TP over 2 GPUs
 
 The model is made here (random init, no download): Qwen2.5-0.5B's shapes (vocabulary 151,936, hidden 896, 24 layers,
 14 heads, 2 KV heads, MLP 4,864, tied embeddings), with the byte tokenizer padded to that vocabulary; the task is
@@ -48,7 +49,7 @@ SHAPES = {  # Qwen2Config fields
                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                          rope_theta=1e6, rms_norm_eps=1e-6),
     "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, max_position_embeddings=512),
+                 num_key_value_heads=2, max_position_embeddings=512),  # 2 kv heads: --tp 2 splits them
 }
 REWARD = '''import re
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -72,6 +73,9 @@ class SmokeConfig:
     """The rollout engine: auto is vLLM when it is installed, else HF generate."""
     out_dir: str = "out/gpu_smoke"
     """Where the model, the task, the runs and summary.txt go."""
+    tp: int = 1
+    """The fsdp run's training tensor parallelism (--fsdp.tp-size) on that many GPUs, all one tp group (dp 1, so
+    HF generate, which runs in one dp rank, can serve it)."""
     worker_out: str | None = None
     """Internal: run one training command (the flags after --) with the checks installed; write them here."""
 
@@ -248,13 +252,15 @@ def main(cfg: SmokeConfig) -> None:
     assert "resumed from" in runs["resume"]["log"] and "step_2" in runs["resume"]["log"], "no resume from step 2"
     assert runs["resume"]["steps"] == list(range(cfg.steps + 2)), runs["resume"]["steps"]  # 0..2 kept, then 3..
     gpus = torch.cuda.device_count()
-    ranks = min(max(gpus, 1), 2) if backend == "vllm" else 1  # HF generate runs in one process only
+    ranks = min(max(gpus, 1), 2) if backend == "vllm" else 1  # HF generate runs in one dp rank only
+    if cfg.tp > 1:
+        ranks = cfg.tp  # one tp group: every rank samples the same prompts
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     offload = [f"--offload.{k}" for k in ("actor-params", "actor-optimizer", "ref-params")]
     fsdp = flags(inputs, cfg, str(root / "fsdp"), rollout_backend=backend, total_steps=2, use_kl_loss=True,
-                 resume="off") + offload
+                 resume="off", **({"fsdp.tp_size": cfg.tp} if cfg.tp > 1 else {})) + offload
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={port}"]
     runs["fsdp"] = launch(torchrun + me[1:] + ["--worker-out", str(root / "fsdp.json"), "--"] + fsdp, "fsdp", root)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
