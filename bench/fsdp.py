@@ -8,7 +8,8 @@ The model is built from a config with random weights and saved once; then this f
 worker twice: `python bench/fsdp.py --worker-out ...` (no process group: the plain model) and
 `torchrun --nproc_per_node=2 bench/fsdp.py --worker-out ...` twice: dp 2 (FSDP2 through sharding.load_sharded_model,
 each rank on half of the batch) and tp 2 (--tp-size 2: each decoder layer split over both ranks, which both take the
-whole batch; TP is not expected to win on 2 CPU cores, the column says what it costs). Each worker trains (AdamW, fp32) one untimed step and `steps` timed ones.
+whole batch; TP is not expected to win on 2 CPU cores, the column says what it costs). Each worker trains (AdamW,
+fp32) one untimed step and `steps` timed ones.
 Per rank it reports: parameters + optimizer state held locally (the sum of local tensor sizes: ~1/N of the
 total when sharded), RSS before the model is built (Python, torch, transformers, the process group: the
 floor under every number below), peak RSS (ru_maxrss, the high-water mark: rank 0 also held the full model

@@ -161,7 +161,7 @@ def stand_ins(argv: list[str], sft_outputs: dict, root, monkeypatch) -> list[str
                 stand_in.touch()
             else:
                 stand_in.mkdir(exist_ok=True)
-                config = {"max_position_embeddings": 32768}  # a real model's (Qwen2.5's)
+                config = {"model_type": "qwen2", "max_position_embeddings": 32768}  # a real model's (Qwen2.5's)
                 if value in sft_outputs and "--model-path" not in sft_outputs[value]:  # sft.py's tiny policy
                     sft = parse("path", "sft.py", stand_ins(sft_outputs[value], {}, root, monkeypatch), monkeypatch)
                     config = {"max_position_embeddings": 512}  # tiny.build_tiny_qwen2's
