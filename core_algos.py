@@ -175,6 +175,28 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torc
     raise ValueError(f"unknown kl_loss_type {kind!r}")
 
 
+# ---- Preference losses: one pair a row, [P] scores of the chosen and the rejected response --------
+
+PreferenceLoss = Literal["bt", "sigmoid", "ipo"]
+
+
+def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, kind: PreferenceLoss, beta: float = 1.0,
+                    margin: torch.Tensor | None = None) -> torch.Tensor:
+    """The loss [P] of each preference pair.
+    bt (Bradley-Terry, a reward model): chosen and rejected are the model's scalar rewards [P];
+        -log sigmoid(r_c - r_r - margin), margin [P] (Llama 2's: how much better the chosen is) or 0.
+    sigmoid (DPO, Rafailov 2023) and ipo (Azar 2023): chosen and rejected are log pi(y|x) - log pi_ref(y|x) [P];
+        DPO: -log sigmoid(beta * (h_c - h_r)); IPO: (h_c - h_r - 1 / (2 beta))^2 (with TRL's token-mean log-probs)."""
+    diff = chosen - rejected  # [P]
+    if kind == "bt":
+        return -F.logsigmoid(diff - (0.0 if margin is None else margin))
+    if kind == "sigmoid":
+        return -F.logsigmoid(beta * diff)
+    if kind == "ipo":
+        return (diff - 1.0 / (2.0 * beta)).square()
+    raise ValueError(f"unknown preference loss {kind!r} (bt, sigmoid or ipo)")
+
+
 # ---- Token log-probs and entropy: the one function that computes them from logits (trainer, HF rollout, probes) ----
 
 LOGITS_CHUNK_BYTES = 128 << 20  # float32 logits of one chunk of rows in head_log_probs

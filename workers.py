@@ -158,6 +158,16 @@ def response_values(model, batch: TensorDict, remove_padding: bool = False) -> t
     return unpack(values[0, positions], keep) if remove_padding else unpack(values[:, positions][keep], keep)
 
 
+def response_scores(model, batch: TensorDict) -> torch.Tensor:
+    """A reward model's score [B] of each prompt + response: its scalar head read at the response's last token (the
+    EOS where the response finished; verl's and TRL's rule). The prompt's last token for an empty response."""
+    P = batch["prompts"].shape[1]
+    last = P + batch["attention_mask"][:, P:].sum(-1) - 1  # [B]
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    values = model(**inputs, use_cache=False).logits.squeeze(-1).float()  # [B, P + R]: one score a token
+    return values.gather(1, last[:, None]).squeeze(1)  # [B]
+
+
 # ---- What the actor and the critic share ----------------------------------------------------------
 
 

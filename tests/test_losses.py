@@ -17,7 +17,7 @@ import torch
 from config import Config
 from core_algos import (AggMode, agg_loss, compute_advantages, gae, gae_advantages,
                         group_advantages, grpo_advantages, kl_in_reward, kl_penalty, lr_factor, masked_mean, on_last_token,
-                        overlong_penalty, rollout_mask,
+                        overlong_penalty, preference_loss, rollout_mask,
                         masked_whiten, policy_loss, reinforce_pp_advantages, rloo_advantages, tis_weights,
                         head_log_probs, token_log_probs, update_kl_coef, value_loss)
 from hybrid_engine import HybridConfig
@@ -826,3 +826,18 @@ def test_tis_weights_sequence_level_by_hand():
     for b, w in enumerate(expected):
         assert weights[b, : int(RC_MASK[b].sum())].tolist() == [approx(w)] * int(RC_MASK[b].sum())
     assert (weights[RC_MASK == 0] == 0).all()
+
+
+def test_preference_losses_by_hand():
+    """Bradley-Terry with and without a margin, DPO's sigmoid and IPO, against hand values."""
+    chosen, rejected = torch.tensor([2.0, 0.0, -1.0]), torch.tensor([1.0, 0.0, 1.0])  # differences 1, 0, -2
+    bt = [math.log(1 + math.exp(-d)) for d in (1.0, 0.0, -2.0)]  # -log sigmoid(d)
+    assert preference_loss(chosen, rejected, "bt").tolist() == approx(bt)
+    margin = torch.tensor([0.5, 0.0, 1.0])
+    assert preference_loss(chosen, rejected, "bt", margin=margin).tolist() == approx(
+        [math.log(1 + math.exp(-d)) for d in (0.5, 0.0, -3.0)])
+    assert preference_loss(chosen, rejected, "sigmoid", beta=0.1).tolist() == approx(
+        [math.log(1 + math.exp(-0.1 * d)) for d in (1.0, 0.0, -2.0)])
+    assert preference_loss(chosen, rejected, "ipo", beta=0.1).tolist() == approx([16.0, 25.0, 49.0])  # (d - 5)^2
+    with pytest.raises(ValueError, match="unknown preference loss 'hinge'"):
+        preference_loss(chosen, rejected, "hinge")
