@@ -79,6 +79,13 @@ class Config:
     """A .py file holding a custom reward function (verl's custom_reward_function.path); None: built-in."""
     reward_fn_name: str = "compute_score"
     """Name of the function in reward_fn_path: (data_source, solution_str, ground_truth, extra_info)."""
+    reward_model_path: str | None = None
+    """A learned reward model (verl's reward_model.model.path): reward_model.py's output or any HF scalar-head model
+    (num_labels 1), scoring each prompt + response at its last token (workers.RewardWorker)."""
+    reward_model_mode: Literal["replace", "add"] = "replace"
+    """How its score meets the rule reward: replace it, or add reward_model_coef * the score to it."""
+    reward_model_coef: float = 1.0
+    """The reward model's weight with reward_model_mode add."""
     max_prompt_length: int = 512
     """Prompt tokens; a longer prompt is an error naming its row, unless truncate_prompts."""
     truncate_prompts: bool = False
@@ -341,7 +348,8 @@ class Config:
             raise ValueError(f"overlong_buffer_len={self.overlong_buffer_len} must be in [0, max_response_length="
                              f"{self.max_response_length}] and overlong_penalty_factor={self.overlong_penalty_factor} "
                              ">= 0")
-        on_host = [f"offload.{k}" for k in ("actor_params", "ref_params", "critic_params") if getattr(self.offload, k)]
+        on_host = [f"offload.{k}" for k in ("actor_params", "ref_params", "critic_params", "reward_params")
+                   if getattr(self.offload, k)]
         if on_host and self.fsdp.cpu_offload:
             raise ValueError(f"{', '.join(on_host)} with fsdp.cpu_offload=True: the parameters already live in CPU "
                              "memory")
@@ -456,7 +464,7 @@ def with_task_values(cfg: Config, is_main: bool = True) -> Config:
 
 def check_paths(cfg) -> None:
     """The files and folders a config (Config or sft.SFTConfig) names must exist, found before anything starts."""
-    for name in ("model_path", "critic_model_path"):
+    for name in ("model_path", "critic_model_path", "reward_model_path"):
         path = getattr(cfg, name, None)
         if path is None:
             continue
@@ -469,6 +477,8 @@ def check_paths(cfg) -> None:
             check_context(cfg, name, path, positions)
         if isinstance(cfg, Config) and cfg.fsdp.tp_size > 1:  # heads and MLP width against the TP size
             check_tp(AutoConfig.from_pretrained(path), cfg.fsdp.tp_size)
+    if getattr(cfg, "reward_model_path", None):
+        check_reward_model(cfg.reward_model_path)
     for name in ("train_files", "val_files"):
         for path in split_files(getattr(cfg, name)):
             if not os.path.isfile(path):
@@ -477,6 +487,19 @@ def check_paths(cfg) -> None:
     for name, path in (("reward_fn_path", cfg.reward_fn_path), ("agent.tools_path", tools)):
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(f"{name}={path}: no such file")
+
+
+def check_reward_model(path: str) -> None:
+    """reward_model_path must hold a scalar-head model: a *ForTokenClassification or *ForSequenceClassification
+    architecture with one label (else from_pretrained would put a random head on it, silently)."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    archs = config.get("architectures") or []
+    labels = config.get("num_labels", len(config.get("id2label") or {0: 0, 1: 1}))  # HF's default: 2 labels
+    if not any(a.endswith(("ForTokenClassification", "ForSequenceClassification")) for a in archs) or labels != 1:
+        raise ValueError(f"reward_model_path={path}: not a scalar-head reward model (architectures={archs}, "
+                         f"num_labels={labels}; it needs a *ForTokenClassification or *ForSequenceClassification with "
+                         "num_labels 1, as reward_model.py writes)")
 
 
 def check_context(cfg: Config, name: str, path: str, positions: int) -> None:

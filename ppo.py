@@ -34,18 +34,18 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from batching import balance_ranks, flops_workload, response_lengths
-from comm import (Dist, Max, Sum, all_max, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics,
+from comm import (Dist, Max, Min, Sum, all_max, all_sum_fn, barrier, broadcast_object, init_distributed, reduce_metrics,
                   shutdown, timer)
 from config import START_HERE, Config, split_files, with_task_values
 from core_algos import compute_advantages, kl_in_reward, on_last_token, overlong_penalty, rollout_mask, update_kl_coef
-from data import RLDataset, load_reward_fn, load_tokenizer, score_responses
+from data import RLDataset, load_reward_fn, load_tokenizer, score_responses, tokenize_prompt
 from fileio import write_atomic
 from rollout import sample_seed
 from sharding import (begin_checkpoint, checkpoint_problem, commit_checkpoint, find_latest, prune_checkpoints,
                       readable_checkpoint)
 from tracking import Tracking, batch_metrics, plot_curves, run_summary, step_warnings
 from watchdog import watch_ranks
-from workers import ActorWorker, CriticWorker, batch_widths, repadded
+from workers import ActorWorker, CriticWorker, RewardWorker, batch_widths, pad_batch, repadded
 
 # ---- The controller: how the step's batch relates to the data-parallel ranks ----------------------
 
@@ -95,6 +95,8 @@ class Task:
     all_val_rows: list[dict]
     num_truncated: int  # prompts cut to max_prompt_length (truncate_prompts), train and val files together
     hidden_size: int  # for balance_by flops
+    rm_tokenizer: object = None  # reward_model_path's tokenizer where it is not the policy's: re-tokenise for it
+    rm_positions: int = 0  # the reward model's max_position_embeddings (a longer re-tokenised sequence is an error)
 
 
 @dataclass
@@ -107,6 +109,7 @@ class Run:
     critic: CriticWorker | None
     controller: TorchrunController  # or ray_trainer.Driver: the same methods, for a driver that holds the whole batch
     pool: object = None  # ray_trainer.RolloutPool: generation-only engines of their own (async); None: the actor's
+    reward: object = None  # workers.RewardWorker (reward_model_path), or a Ray driver's reward group
 
     @property
     def val_rows(self) -> list[dict]:
@@ -151,6 +154,8 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
         # with a rollout pool, samples may come from older weights: at most async.staleness updates, never silently
         metrics.update(staleness(batch["version"], weights_version(step, cfg),
                                  cfg.async_.staleness if run.pool else 0))
+        # ==================== 2a. a learned reward model scores each prompt + response (reward_model_path) ====
+        poisoned = run.reward is not None and score_with_reward_model(batch, run, metrics)  # a NaN score: no update
 
         # ==================== 2b. balance the dp ranks' work (batching.py) ====================
         # Whole prompt groups move, before the log-prob passes: all three passes (old, ref, update) get even
@@ -200,8 +205,8 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
             metrics.update(mask_metrics)
 
         # ==================== 5. update the critic and the actor (after critic_warmup) ====================
-        updates = {"critic": ("update_critic", critic.update)} if critic else {}
-        if step > cfg.critic_warmup:
+        updates = {"critic": ("update_critic", critic.update)} if critic and not poisoned else {}
+        if step > cfg.critic_warmup and not poisoned:
             updates["actor"] = ("update_actor", actor.update)
         for update_metrics in controller.run_all(updates, batch, metrics).values():
             metrics.update(update_metrics)
@@ -211,7 +216,7 @@ def rl_step(step: int, rows: list[dict], run: Run, kl_coef: float) -> tuple[dict
             feed_pool(step, run, metrics)
 
     # ==================== 7. what the step cost: memory per phase, MFU (in the updates' metrics), all-reduce probe
-    for worker in filter(None, (actor, critic)):
+    for worker in filter(None, (actor, critic, run.reward)):
         metrics.update(worker.perf())  # a collective (the probe)
     metrics["perf/overhead_share"] = overhead_share(metrics, run.pool is not None)
     metrics.update(batch_metrics(batch, cfg.max_response_length))
@@ -341,6 +346,52 @@ def policy_loss_mask(batch: TensorDict, cfg: Config, eos_id: int) -> tuple[torch
     return mask, metrics
 
 
+def score_with_reward_model(batch: TensorDict, run: Run, metrics: dict) -> bool:
+    """The reward model's scores (reward_model/score/*) replace the rule's, or add to them (reward_model_mode);
+    batch["acc"] keeps the rule's, which dynamic sampling and the curves read. True where a score is not finite on
+    any rank: the step then skips its updates, as a NaN loss does (reward_model/skipped_step). Collective."""
+    cfg = run.cfg
+    rm = run.controller.run_all({"rm": ("reward_model", run.reward.scores)}, reward_model_batch(batch, run.task),
+                                metrics)["rm"]  # [B], timed as timing_s/reward_model
+    bad = ~torch.isfinite(rm)  # [B]
+    poisoned = run.controller.all_max([float(bad.any())])[0] > 0
+    rm = rm.masked_fill(bad, 0.0)
+    if "acc" not in batch.keys():
+        batch["acc"] = batch["scores"]  # [B] the rule's
+    batch["scores"] = rm if cfg.reward_model_mode == "replace" else batch["scores"] + cfg.reward_model_coef * rm
+    metrics.update({"reward_model/score/mean": rm.mean().item(), "reward_model/score/max": Max(rm.max().item()),
+                    "reward_model/score/min": Min(rm.min().item()), "reward_model/nan_scores": Sum(bad.sum().item()),
+                    "reward_model/skipped_step": Max(float(poisoned)),
+                    "reward_model/rule_score/mean": batch["acc"].mean().item()})  # the verifier's, beside it
+    return poisoned
+
+
+def reward_model_batch(batch: TensorDict, task: Task) -> TensorDict:
+    """The prompts and responses in the reward model's tokens: the batch's own where it shares the policy's tokenizer;
+    else verl's rule: each response decoded, put after its chat prompt as the assistant's turn, and the whole chat
+    templated and tokenized by the reward model's tokenizer. A sequence over its positions is an error naming it."""
+    keys = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
+            "rollout_log_probs")
+    if task.rm_tokenizer is None:
+        return batch.select(*keys)
+    rm_tok, prompts, responses = task.rm_tokenizer, [], []
+    lengths = response_lengths(batch).tolist()  # [B]
+    texts = task.tokenizer.batch_decode([ids[:k] for ids, k in zip(batch["responses"].tolist(), lengths)],
+                                        skip_special_tokens=True)
+    for index, text in zip(batch["index"].tolist(), texts):
+        chat = task.train_ds[index]["messages"]
+        prompt = tokenize_prompt(rm_tok, chat)
+        whole = rm_tok.apply_chat_template(chat + [{"role": "assistant", "content": text}], tokenize=False)
+        ids = list(rm_tok(whole, add_special_tokens=False)["input_ids"])
+        if len(ids) > task.rm_positions:
+            raise ValueError(f"{task.train_ds[index]['where']}: prompt + response are {len(ids)} tokens of the "
+                             f"reward model's, over its max_position_embeddings={task.rm_positions} (no silent "
+                             "truncation: lower max_response_length, or use a reward model with a longer context)")
+        prompts.append(prompt)
+        responses.append(ids[len(prompt):])
+    return pad_batch(prompts, responses, [[] for _ in prompts], rm_tok.pad_token_id)
+
+
 def score(batch: TensorDict | list[list[int]], rows: list[dict], tokenizer, reward_fn) -> torch.Tensor:
     """One scalar reward per response [B] from the task's verifier (the batch's responses, or their token lists);
     rows[b] is response b's prompt row. A reward that is not a finite number stops the run here, before any update
@@ -411,8 +462,15 @@ def load_task(cfg: Config, model_path: str, train_files: str, val_files: str, dp
     if len(val_rows) < dp_size:
         raise ValueError(f"val_files={val_files}: {len(val_rows)} prompts (val_size={cfg.val_size}) for "
                          f"{dp_size} ranks")
+    rm_tokenizer, rm_positions = None, 0
+    if cfg.reward_model_path:  # its own tokenizer, unless it is the policy's (same vocabulary and chat template)
+        rm_tokenizer = load_tokenizer(cfg.reward_model_path)
+        if rm_tokenizer.get_vocab() == tokenizer.get_vocab() and rm_tokenizer.chat_template == tokenizer.chat_template:
+            rm_tokenizer = None
+        rm_positions = AutoConfig.from_pretrained(cfg.reward_model_path).max_position_embeddings
     return Task(tokenizer, load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name), train_ds, val_rows,
-                train_ds.num_truncated + val_ds.num_truncated, AutoConfig.from_pretrained(model_path).hidden_size)
+                train_ds.num_truncated + val_ds.num_truncated, AutoConfig.from_pretrained(model_path).hidden_size,
+                rm_tokenizer, rm_positions)
 
 
 def save_checkpoint(run: Run, step: int, state: dict) -> None:
@@ -565,7 +623,8 @@ def train(cfg: Config) -> list[dict]:
         task = load_task(cfg, model_path, train_files, val_files, dist.dp_size)  # bad data: named before the models
         actor = ActorWorker(cfg, model_path, dist)
         critic = CriticWorker(cfg, cfg.critic_model_path or model_path, dist) if cfg.adv_estimator == "gae" else None
-        records = loop(Run(cfg, task, actor, critic, TorchrunController(dist)))
+        reward = RewardWorker(cfg, dist) if cfg.reward_model_path else None
+        records = loop(Run(cfg, task, actor, critic, TorchrunController(dist), reward=reward))
         barrier(dist)  # the last collective: closing the engine destroys the default process group (vLLM's cleanup)
     actor.close()
     shutdown(dist)

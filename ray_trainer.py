@@ -611,6 +611,9 @@ def check(cfg: Config, rc: RayConfig) -> None:
                              f"{cfg.ppo_mini_batch_size} must divide by {name}={n}")
     if cfg.rollout_backend == "hf" and rc.workers > 1 and not cfg.async_.rollout_workers:
         raise ValueError("rollout_backend='hf' runs in one process only; use 'vllm' with several workers")
+    if cfg.reward_model_path:
+        raise ValueError(f"reward_model_path={cfg.reward_model_path}: the learned reward model runs under torchrun "
+                         "for now (python ppo.py --reward-model-path ...); the Ray controller has no reward group yet")
     if cfg.fsdp.tp_size > 1:
         raise ValueError(f"fsdp.tp_size={cfg.fsdp.tp_size}: training tensor parallelism runs under torchrun "
                          "(torchrun --nproc_per_node=N grpo.py --fsdp.tp-size K); the Ray controller's groups are "

@@ -109,6 +109,8 @@ class OffloadConfig:
     """The critic's parameter shards live in CPU memory except during its value pass, update and checkpoints."""
     critic_optimizer: bool = False
     """The critic's AdamW state lives in CPU memory except during its update and checkpoints."""
+    reward_params: bool = False
+    """The reward model's parameter shards live in CPU memory except during its scoring pass."""
 
 
 def move_model(model: torch.nn.Module, device: torch.device | str) -> None:

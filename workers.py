@@ -181,11 +181,11 @@ class Worker:
 
     def __init__(self, cfg: Config, dist: Dist, model: torch.nn.Module, tokenizer, lr: float):
         self.cfg, self.dist, self.model, self.tokenizer, self.lr = cfg, dist, model, tokenizer, lr
-        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
-        self.opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=cfg.weight_decay)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only; a scorer: none
+        self.opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=cfg.weight_decay) if trainable else None
         # what waits in host memory between this role's phases (Config.offload)
         self.offload_params = getattr(cfg.offload, f"{self.role}_params")
-        self.offload_optimizer = getattr(cfg.offload, f"{self.role}_optimizer")
+        self.offload_optimizer = getattr(cfg.offload, f"{self.role}_optimizer", False)
         self.updates = 0  # update() calls so far: the learning-rate schedule's position (saved in checkpoints)
         self.remove_padding = cfg.use_remove_padding and packing_works(model)
         if cfg.use_remove_padding and not self.remove_padding and dist.is_main:
@@ -263,7 +263,8 @@ class Worker:
         that every rank fills alike; an out-of-memory on one rank alone stalls the others until dist_timeout_s."""
         if not is_oom(error):
             raise error
-        self.opt.zero_grad(set_to_none=True)  # a micro-batch's half-made gradient: the retry starts clean
+        if self.opt is not None:  # a micro-batch's half-made gradient: the retry starts clean
+            self.opt.zero_grad(set_to_none=True)
         if self.dist.device.type == "cuda":
             torch.cuda.empty_cache()
         i, micro_rows, batch = self.at
@@ -611,6 +612,31 @@ class CriticWorker(Worker):
         loss, means = value_loss(values, micro["values"], micro["returns"], micro["response_mask"],
                                  self.cfg.cliprange_value, self.cfg.loss_agg_mode, **agg_kw)
         return loss, {"sum": {"critic/vf_loss": loss}, "mean": means, "max": {}}
+
+    def close(self) -> None:
+        """Nothing to release (no engine)."""
+
+
+class RewardWorker(Worker):
+    """A learned reward model (Config.reward_model_path: reward_model.py's output, or any HF scalar-head model), frozen:
+    sharded like the reference (FSDP2 over dp, TP_PLAN over tp, compute dtype), in host memory between its passes with
+    offload.reward_params. Its batch is in its own tokens (ppo.reward_model_batch re-tokenises where they differ)."""
+
+    role = "reward"
+
+    def __init__(self, cfg: Config, dist: Dist):
+        path = cfg.reward_model_path
+        config = AutoConfig.from_pretrained(path)
+        model = load_sharded_model(path, dist, cfg.fsdp, trainable=False, model_class=AutoModelForTokenClassification,
+                                   config=config)  # a *ForSequenceClassification folder's `score` head loads too
+        super().__init__(cfg, dist, model, load_tokenizer(path), 0.0)
+
+    @torch.no_grad()
+    def scores(self, batch: TensorDict) -> torch.Tensor:
+        """The score [B] of each prompt + response, at the response's last token (response_scores). Collectives:
+        FSDP2's gathers and the micro-batch count (budget log_prob_max_token_len_per_gpu)."""
+        with self.resident(), self.measured("reward_model"):
+            return self.map_micro_batches(lambda mb: response_scores(self.model, mb), batch, "reward_model")
 
     def close(self) -> None:
         """Nothing to release (no engine)."""

@@ -112,7 +112,8 @@ class RLDataset:
             for row_index, row in enumerate(read_rl_parquet(path)):
                 where = f"{path}, row {row_index}"  # named by errors about this prompt (its reward)
                 ids = self._fit(tokenize_prompt(tokenizer, row["prompt"]), where)
-                self.items.append(dict(prompt_ids=ids, where=where, data_source=row["data_source"],
+                self.items.append(dict(prompt_ids=ids, messages=row["prompt"], where=where,
+                                       data_source=row["data_source"],
                                        ground_truth=row["reward_model"]["ground_truth"], extra_info=row["extra_info"]))
 
     def _fit(self, ids: list[int], where: str) -> list[int]:

@@ -17,38 +17,39 @@ from comm import init_distributed
 from reward_model import PREF_RESULT, PreferenceConfig, load_models, pair_batch, read_pairs, run
 from workers import response_scores
 
-WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma"]
-GOOD = ["apple", "river", "stone", "cloud", "green", "tiger", "piano", "lemon"]  # the chosen answer's last word
-BAD = ["chair", "smoke", "paper", "brick", "storm", "ghost", "sugar", "metal"]  # the rejected one's
-
-
-def separable_pairs(n: int, seed: int) -> pd.DataFrame:
-    """Pairs a reward model can learn and a random head cannot rank: the chosen answer ends in a GOOD word, the
-    rejected in a BAD one (random words before, so the rest tells nothing)."""
+def digit_pairs(prompts: list, n: int, seed: int) -> pd.DataFrame:
+    """Pairs a reward model can learn and a random head cannot rank: the chosen response is digits, the rejected
+    letters and signs (random lengths), after the arith task's chat prompts. Their rule is tiny_rl_setup's reward."""
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        prompt = " ".join(rng.choices(WORDS, k=2)) + "?"
-        words = " ".join(rng.choices(WORDS, k=2))
-        rows.append(dict(prompt=prompt, chosen=f"{words} {rng.choice(GOOD)}", rejected=f"{words} {rng.choice(BAD)}"))
-    return pd.DataFrame(rows)
+    return pd.DataFrame([dict(prompt=list(p), chosen="".join(rng.choices("0123456789", k=rng.randint(1, 6))),
+                              rejected="".join(rng.choices("abcdefxyz+=", k=rng.randint(1, 6))))
+                         for p in rng.sample(prompts, n)])
 
 
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
+def pairs(tiny_rl_setup, tmp_path_factory):
     root = tmp_path_factory.mktemp("pairs")
+    prompts = pd.read_parquet(tiny_rl_setup["train_files"])["prompt"].tolist()
     train, val = root / "train.parquet", root / "val.parquet"
-    separable_pairs(256, 0).to_parquet(train)
-    separable_pairs(64, 1).to_parquet(val)
+    digit_pairs(prompts, 256, 0).to_parquet(train)
+    digit_pairs(prompts, 64, 1).to_parquet(val)
     return str(train), str(val)
 
 
-def test_a_reward_model_learns_separable_pairs(tiny_rl_setup, pairs, tmp_path):
-    """Bradley-Terry on pairs that one token separates: held-out pair accuracy > 90% (the new head starts near 50%);
-    the kept folder is an HF scalar-head model whose scores (a plain forward at the last token) rank the pairs."""
-    out = tmp_path / "rm"
-    result = run(PreferenceConfig(model_path=tiny_rl_setup["model_path"], train_files=pairs[0], val_files=pairs[1],
-                                  out_dir=str(out), lr=3e-3, batch_size=32, epochs=3, eval_every=8))
+@pytest.fixture(scope="module")
+def reward_model(tiny_rl_setup, pairs, tmp_path_factory):
+    """reward_model.py on the digit pairs, from the tiny policy: (its folder, the result)."""
+    out = tmp_path_factory.mktemp("rm") / "rm"
+    return out, run(PreferenceConfig(model_path=tiny_rl_setup["model_path"], train_files=pairs[0],
+                                     val_files=pairs[1], out_dir=str(out), lr=3e-3, batch_size=32, epochs=3,
+                                     eval_every=8))
+
+
+def test_a_reward_model_learns_separable_pairs(tiny_rl_setup, pairs, reward_model):
+    """Bradley-Terry on pairs a random head cannot rank: held-out pair accuracy > 90% (the same new head before
+    training: < 75%); the kept folder is an HF scalar-head model whose plain forward at the last token ranks the
+    held-out pairs as the evaluation did."""
+    out, result = reward_model
     kept = result["kept"]
     assert kept["eval_rewards/accuracies"] > 0.9, kept
     assert json.loads((out / PREF_RESULT).read_text())["kept"]["step"] == kept["step"]
@@ -118,17 +119,98 @@ def test_identical_pairs_are_counted_and_skipped_and_a_long_row_is_named(tiny_rl
 
 
 def test_dpo_raises_the_chosen_over_the_rejected(tiny_rl_setup, pairs, tmp_path):
-    """DPO (sigmoid) and IPO on the separable pairs: TRL's metrics; the held-out rewards/accuracies end above 90%
+    """DPO (sigmoid) and IPO on the digit pairs: TRL's metrics; the held-out rewards/accuracies end above 90%
     and the margin grows; the export is a causal LM."""
     from dpo import DPOConfig
     from transformers import AutoModelForCausalLM
     for loss in ("sigmoid", "ipo"):
         out = tmp_path / loss
         result = run(DPOConfig(model_path=tiny_rl_setup["model_path"], train_files=pairs[0], val_files=pairs[1],
-                               out_dir=str(out), loss=loss, lr=3e-3, batch_size=32, epochs=2, eval_every=8))
+                               out_dir=str(out), loss=loss, lr=3e-3, batch_size=32, epochs=1, eval_every=4))
         kept = result["kept"]
         assert {"eval_logps/chosen", "eval_logps/rejected", "eval_rewards/chosen", "eval_rewards/rejected",
                 "eval_rewards/margins", "rewards/accuracies"} <= kept.keys()
         assert kept["eval_rewards/accuracies"] > 0.9, (loss, kept)
         assert kept["eval_rewards/margins"] > result["history"][0]["rewards/margins"], loss
         AutoModelForCausalLM.from_pretrained(out)
+
+
+def other_tokenizer():
+    """A second tokenizer: one token per byte too, but the bytes at other ids and another chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    special = ["<pad>", "<eos>", "<unk>"]
+    tokens = special + sorted(pre_tokenizers.ByteLevel.alphabet(), reverse=True)
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '<eos>' }}{% endfor %}"
+                               "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    return tokenizer
+
+
+def scalar_head_model(tokenizer, folder, seed: int = 0):
+    """A small random Qwen2 reward model (one label) on tokenizer, saved to folder."""
+    from transformers import Qwen2Config, Qwen2ForTokenClassification
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2ForTokenClassification(config).eval()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("own_tokenizer", [True, False])
+def test_the_reward_worker_scores_as_a_plain_forward_in_its_own_tokens(tiny_rl_setup, tmp_path, own_tokenizer):
+    """RewardWorker's scores equal the reward model's plain HF forward of the chat (prompt + the response as the
+    assistant's turn) in its own tokens, read at the last token: with the policy's tokenizer the batch's ids as they
+    are; with another tokenizer (other ids, other template) the response decoded and re-tokenised (verl's rule)."""
+    from comm import init_distributed
+    from ppo import load_task, reward_model_batch
+    from workers import RewardWorker, pad_batch
+    from conftest import toy_config
+    from data import load_tokenizer
+    policy_tok = load_tokenizer(tiny_rl_setup["model_path"])
+    rm_tok = policy_tok if own_tokenizer else other_tokenizer()
+    model = scalar_head_model(rm_tok, tmp_path / "rm")
+    cfg = toy_config(**tiny_rl_setup, reward_model_path=str(tmp_path / "rm"), log_prob_max_token_len_per_gpu=40)
+    task = load_task(cfg, tiny_rl_setup["model_path"], tiny_rl_setup["train_files"], tiny_rl_setup["val_files"], 1)
+    assert (task.rm_tokenizer is None) == own_tokenizer
+    rows = [task.train_ds[i] for i in (3, 1, 4)]
+    answers = ["12", "7", "123 and more"]
+    responses = [policy_tok(a, add_special_tokens=False)["input_ids"] + [policy_tok.eos_token_id] for a in answers]
+    batch = pad_batch([r["prompt_ids"] for r in rows], responses, [[] for _ in rows], policy_tok.pad_token_id)
+    batch["index"] = torch.tensor([r["index"] for r in rows])
+    scores = RewardWorker(cfg, init_distributed()).scores(reward_model_batch(batch, task))  # [3]
+    expected = []
+    for row, answer in zip(rows, answers):
+        chat = row["messages"] + [{"role": "assistant", "content": answer}]
+        ids = rm_tok(rm_tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            expected.append(model(input_ids=torch.tensor([ids])).logits[0, -1, 0].item())
+    assert scores.tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_reward_model_path_must_be_a_scalar_head(tiny_rl_setup, tmp_path):
+    from conftest import toy_config
+    with pytest.raises(ValueError, match=r"reward_model_path=.*model: not a scalar-head reward model \(architectures="
+                                         r"\['Qwen2ForCausalLM'\], num_labels=2"):
+        toy_config(**tiny_rl_setup, reward_model_path=tiny_rl_setup["model_path"])
+
+
+def test_grpo_against_a_learned_reward_model_raises_the_rule_it_learned(tiny_rl_setup, reward_model, tmp_path):
+    """The RLHF loop end to end: GRPO whose only reward is the reward model trained on the digit pairs (replace):
+    the rule of those pairs, which the run never sees (reward_model/rule_score/mean: tiny_rl_setup's reward), rises,
+    and critic/score is the model's score."""
+    from conftest import assert_reward_rises, toy_config
+    from ppo import train
+    cfg = toy_config(**tiny_rl_setup, reward_model_path=str(reward_model[0]), train_batch_size=16,
+                     ppo_mini_batch_size=8, rollout_n=8, max_response_length=6, lr=3e-3, total_steps=16,
+                     eval_every=16, out_dir=str(tmp_path / "grpo"), adv_estimator="grpo")
+    records = train(cfg)[1:]
+    assert all(r["critic/score/mean"] == pytest.approx(r["reward_model/score/mean"], abs=1e-5) for r in records)
+    assert_reward_rises([{"critic/score/mean": r["reward_model/rule_score/mean"]} for r in records], by=0.1)
+    assert {"reward_model/score/max", "reward_model/score/min", "timing_s/reward_model"} <= records[0].keys()
