@@ -116,7 +116,8 @@ class Parsed(Exception):
 
 
 PATH_FLAGS = {"--model-path": "model", "--critic-model-path": "model", "--train-files": "file",
-              "--val-files": "file", "--reward-fn-path": "file", "--agent.tools-path": "file"}
+              "--val-files": "file", "--reward-fn-path": "file", "--agent.tools-path": "file",
+              "--reward-model-path": "reward model"}
 
 
 def parse(kind: str, target: str, argv: list[str], monkeypatch):
@@ -166,6 +167,8 @@ def stand_ins(argv: list[str], sft_outputs: dict, root, monkeypatch) -> list[str
                     sft = parse("path", "sft.py", stand_ins(sft_outputs[value], {}, root, monkeypatch), monkeypatch)
                     config = {"max_position_embeddings": 512}  # tiny.build_tiny_qwen2's
                     (stand_in / "sft_result.json").write_text(json.dumps({"rl_values": TASK_VALUES[sft.task]}))
+                if PATH_FLAGS[flag] == "reward model":  # reward_model.py's output: a scalar head
+                    config.update(architectures=["Qwen2ForTokenClassification"], id2label={"0": "LABEL_0"})
                 (stand_in / "config.json").write_text(json.dumps(config))
             paths.append(str(stand_in))
         argv[i + 1] = ",".join(paths)

@@ -214,3 +214,14 @@ def test_grpo_against_a_learned_reward_model_raises_the_rule_it_learned(tiny_rl_
     assert all(r["critic/score/mean"] == pytest.approx(r["reward_model/score/mean"], abs=1e-5) for r in records)
     assert_reward_rises([{"critic/score/mean": r["reward_model/rule_score/mean"]} for r in records], by=0.1)
     assert {"reward_model/score/max", "reward_model/score/min", "timing_s/reward_model"} <= records[0].keys()
+
+
+def test_a_reward_model_shorter_than_prompt_and_response_is_refused(tiny_rl_setup, tmp_path):
+    """A reward model's context below max_prompt_length + max_response_length: named at parse time, never truncated."""
+    from conftest import toy_config
+    from data import load_tokenizer
+    model = scalar_head_model(load_tokenizer(tiny_rl_setup["model_path"]), tmp_path / "rm")
+    model.config.max_position_embeddings = 16
+    model.config.save_pretrained(tmp_path / "rm")
+    with pytest.raises(ValueError, match="exceeds reward_model_path's max_position_embeddings=16"):
+        toy_config(**tiny_rl_setup, reward_model_path=str(tmp_path / "rm"))
