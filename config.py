@@ -92,9 +92,11 @@ class Config:
     """Keep the last max_prompt_length tokens of long prompts (counted) instead of raising."""
     max_response_length: int = 1024
     """Response tokens (the EOS included; with tools, their outputs too)."""
-    task: Literal["arith", "calculator"] = "arith"
+    task: Literal["arith", "calculator", "arith-rlhf"] = "arith"
     """The built-in task: its files where train_files / val_files are None, its warm start without model_path, its
-    tools where agent.tools_path is None (calculator: products with a calculator tool, data/calculator.py)."""
+    tools where agent.tools_path is None (calculator: products with a calculator tool, data/calculator.py).
+    arith-rlhf: arith's, with a learned reward model in place of the verifier where reward_model_path is None
+    (reward_model.builtin_reward_model: pairs of the warm start's own answers, 20% of the labels flipped; cached)."""
     # ---- rollout ----
     rollout_backend: Literal["vllm", "hf"] = "vllm"
     """In-process vLLM engine, or HF generate on the trainer's model (same interface)."""
@@ -421,7 +423,8 @@ class Config:
 # --model-path applies them to every field it leaves at Config's default (verl's, for a real model).
 BUILTIN_TASK = dict(lr=2e-4, critic_lr=1e-3, max_prompt_length=32, max_response_length=8, train_batch_size=32,
                     ppo_mini_batch_size=8, ppo_micro_batch_size=64, log_prob_max_token_len_per_gpu=2048, ckpt_every=0)
-TASK_VALUES = {"arith": BUILTIN_TASK, "calculator": dict(BUILTIN_TASK, max_response_length=32)}
+TASK_VALUES = {"arith": BUILTIN_TASK, "calculator": dict(BUILTIN_TASK, max_response_length=32),
+               "arith-rlhf": dict(BUILTIN_TASK, use_kl_in_reward=True, kl_coef=0.2)}  # PPO: the KL holds off hacking
 SFT_RESULT = "sft_result.json"  # what sft.py writes last into a model folder; "rl_values": the tiny policy's values
 
 

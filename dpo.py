@@ -1,10 +1,11 @@
 """DPO (Rafailov et al., 2023) and IPO on preference pairs: reward_model.py's trainer, where the reward is the policy's
 own log-ratio to a frozen copy of itself, beta * (log pi(y|x) - log pi_ref(y|x)): the offline baseline to RL.
 
+    python dpo.py                                      # the built-in RLHF task's pairs, from its warm start
+    python grpo.py --model-path out/dpo --total-steps 1  # its held-out accuracy (step 0), as RL measures it
     python dpo.py --model-path out/sft --train-files pairs.parquet --val-files pairs_val.parquet --out-dir out/dpo
     python dpo.py ... --loss ipo                       # IPO: a squared loss on the token-mean log-ratios
     torchrun --nproc_per_node=2 dpo.py ...             # FSDP2 over 2 ranks (the reference sharded the same way)
-    python grpo.py --model-path out/dpo ...           # RL from the DPO policy (it is a plain HF causal LM)
 
 The metrics are TRL's (rewards/chosen|rejected|accuracies|margins, logps/chosen|rejected; eval_ for held-out pairs).
 """

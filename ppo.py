@@ -24,7 +24,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -435,18 +435,23 @@ def evaluate(run: Run) -> dict:
 # ---- Setup, checkpoints, the loop -----------------------------------------------------------------
 
 
-def warm_start_and_task_files(cfg: Config, dist: Dist) -> tuple[str, str, str]:
-    """(model_path, train_files, val_files): for what cfg leaves unset, the built-in task's files and the built-in
-    policy warm-started on it (sft.py trains it on rank 0 the first time; later runs find it cached)."""
+def warm_start_and_task_files(cfg: Config, dist: Dist) -> tuple:
+    """(model_path, train_files, val_files[, reward_model_path]): for what cfg leaves unset, the built-in task's files
+    and the built-in policy warm-started on it (sft.py trains it on rank 0 the first time; later runs find it
+    cached); for arith-rlhf without reward_model_path, also its learned reward model (cached the same way)."""
+    from reward_model import builtin_reward_model
     from sft import SFTConfig, builtin_files, run as run_sft
 
+    sft_task = "arith" if cfg.task == "arith-rlhf" else cfg.task
     paths = None
     if dist.is_main:  # rank 0 trains the warm start and writes the task files; the others receive the paths
         files = (cfg.train_files, cfg.val_files)
         if not all(files):
-            builtin = builtin_files(SFTConfig(task=cfg.task), os.path.join(cfg.out_dir, "data"))
+            builtin = builtin_files(SFTConfig(task=sft_task), os.path.join(cfg.out_dir, "data"))
             files = tuple(f or b for f, b in zip(files, builtin))
-        paths = (cfg.model_path or run_sft(SFTConfig(task=cfg.task)), *files)
+        paths = (cfg.model_path or run_sft(SFTConfig(task=sft_task)), *files)
+        if cfg.task == "arith-rlhf" and not cfg.reward_model_path:  # its reward model, learned from the warm start
+            paths += (builtin_reward_model(),)
     return broadcast_object(paths, dist)
 
 
@@ -619,7 +624,9 @@ def train(cfg: Config) -> list[dict]:
                          "Ray controller: python ray_trainer.py --async.rollout-workers N")
     os.makedirs(cfg.out_dir, exist_ok=True)
     with watch_ranks(dist):  # another rank's death or hang ends this rank with an error that names it
-        model_path, train_files, val_files = warm_start_and_task_files(cfg, dist)
+        model_path, train_files, val_files, *reward_model = warm_start_and_task_files(cfg, dist)
+        if reward_model:  # --task arith-rlhf's learned reward model
+            cfg = replace(cfg, reward_model_path=reward_model[0])
         task = load_task(cfg, model_path, train_files, val_files, dist.dp_size)  # bad data: named before the models
         actor = ActorWorker(cfg, model_path, dist)
         critic = CriticWorker(cfg, cfg.critic_model_path or model_path, dist) if cfg.adv_estimator == "gae" else None

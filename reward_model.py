@@ -1,6 +1,7 @@
 """Preference training on (prompt, chosen, rejected) pairs: a Bradley-Terry reward model for RL, or DPO / IPO on the
 policy itself (dpo.py runs this trainer with loss sigmoid). FSDP2 under torchrun, token-budget micro-batches.
 
+    python reward_model.py                                 # the built-in RLHF task's reward model (cached inputs)
     python reward_model.py --model-path out/sft --train-files pairs.parquet --val-files pairs_val.parquet \
         --out-dir out/rm                                   # a reward model: the policy's backbone + a scalar head
     torchrun --nproc_per_node=2 reward_model.py ...        # the same, FSDP2-sharded over 2 ranks
@@ -20,25 +21,27 @@ at out_dir as a plain HF folder (without val_files: the last), with preference_r
 evaluation, the history) and metrics.jsonl. A step whose loss is not finite is skipped, its gradients dropped.
 """
 
+import hashlib
 import json
 import math
 import os
 import random
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
+import pandas as pd
 import pyarrow.parquet as pq
 import torch
 import tyro
 from tensordict import TensorDict
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from batching import micro_batches
-from comm import all_sum_fn, barrier, init_distributed, shutdown
-from config import split_files
+from batching import micro_batches, pad
+from comm import Dist, all_sum_fn, barrier, broadcast_object, init_distributed, shutdown
+from config import SFT_RESULT, recorded_values, split_files
 from core_algos import PreferenceLoss, preference_loss
-from data import load_tokenizer, tokenize_prompt
+from data import RLDataset, default_compute_score, load_tokenizer, tokenize_prompt
 from sft import has, lookup, sft_pair
 from sharding import FSDPConfig, clip_grad_norm, export_hf, load_sharded_model
 from workers import pad_batch, response_log_probs, response_scores
@@ -99,11 +102,10 @@ class PreferenceConfig:
                                         ("batch_size", "epochs", "max_length", "max_token_len", "eval_every"))):
             if not ok:
                 raise ValueError(f"{name}={value} must be {rule}")
-        for name in ("model_path", "train_files"):
-            if getattr(self, name) is None:
-                raise ValueError(f"{name} is required: --{name.replace('_', '-')} (the README's \"Bring your "
-                                 "preferences\")")
-        if not os.path.isfile(os.path.join(self.model_path, "config.json")):
+        if (self.model_path is None) != (self.train_files is None):
+            raise ValueError("model_path and train_files go together: both (your policy and pairs; the README's "
+                             "\"Bring your preferences\"), or neither (the built-in RLHF task)")
+        if self.model_path is not None and not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise FileNotFoundError(f"model_path={self.model_path}: not an HF model folder (no config.json there)")
         for name in ("train_files", "val_files"):
             for path in split_files(getattr(self, name)):
@@ -310,8 +312,18 @@ def best_dir(cfg: PreferenceConfig) -> str:
 
 
 def run(cfg: PreferenceConfig) -> dict:
-    """Check and tokenize the pairs (before any model loads), train, write the result; returns it."""
+    """Under torchrun or in one process: fit, then leave the process group. No --model-path: the built-in task
+    (its inputs made on rank 0 first)."""
     dist = init_distributed(cfg.dist_timeout_s, tp=cfg.fsdp.tp_size)
+    if cfg.model_path is None:
+        cfg = broadcast_object(with_builtin(cfg) if dist.is_main else None, dist)
+    result = fit(cfg, dist)
+    shutdown(dist)
+    return result
+
+
+def fit(cfg: PreferenceConfig, dist) -> dict:
+    """Check and tokenize the pairs (before any model loads), train, write the result; returns it."""
     tokenizer = load_tokenizer(cfg.model_path)
     train_pairs, same = read_pairs(cfg.train_files, cfg)
     train_pairs = encode_pairs(tokenizer, train_pairs, cfg.max_length)
@@ -328,6 +340,10 @@ def run(cfg: PreferenceConfig) -> dict:
             f.writelines(json.dumps(r) + "\n" for r in result["history"])
         with open(os.path.join(kept_dir, PREF_RESULT), "w") as f:
             json.dump(result, f, indent=1)
+        values = recorded_values(cfg.model_path)
+        if values and cfg.loss != "bt":  # a policy from sft.py's tiny one: RL from it takes the same values
+            with open(os.path.join(kept_dir, SFT_RESULT), "w") as f:
+                json.dump({"rl_values": values, "trained_by": f"reward_model.py --loss {cfg.loss}"}, f, indent=1)
         shutil.rmtree(cfg.out_dir, ignore_errors=True)
         os.replace(kept_dir, cfg.out_dir)
         kept = result["kept"]
@@ -335,13 +351,91 @@ def run(cfg: PreferenceConfig) -> dict:
             f"training loss {kept['loss']:.4f}"
         print(f"{cfg.loss}: {result['steps']} steps; kept step {kept['step']} ({score}) -> {cfg.out_dir}")
     barrier(dist)
-    shutdown(dist)
     return result
 
 
-HELP = """A reward model (Bradley-Terry) on preference pairs: --model-path (the policy it starts from), --train-files
-and --val-files (prompt / chosen / rejected parquet), --out-dir; then ppo.py --reward-model-path OUT_DIR. The README's
-"Bring your preferences" shows it all. All fields:"""
+# ---- The built-in RLHF task (--task arith-rlhf): pairs from the warm start's own samples, noisy labels ----
 
-if __name__ == "__main__":
-    run(tyro.cli(PreferenceConfig, description=HELP))
+
+def builtin_pairs(policy_path: str, train_file: str, out_dir: str, samples: int = 8, flip: float = 0.2,
+                  seed: int = 0) -> tuple[str, str]:
+    """(train, val) preference parquet from the policy's own sampled answers to the arith prompts: a prompt whose
+    samples the verifier finds both right and wrong gives up to 2 pairs (a right one chosen), and a share `flip` of the
+    labels is swapped, as noisy raters would. Val: the last tenth of the pairs, labelled the same way."""
+    tokenizer = load_tokenizer(policy_path)
+    model = AutoModelForCausalLM.from_pretrained(policy_path).eval()
+    ds = RLDataset([train_file], tokenizer, 64)
+    rng, rows = random.Random(seed), []
+    torch.manual_seed(seed)
+    for start in tqdm(range(0, len(ds), 256), desc="sampling pairs"):
+        items = [ds[i] for i in range(start, min(start + 256, len(ds)))]
+        input_ids, attention_mask = pad([r["prompt_ids"] for r in items], tokenizer.pad_token_id, left=True)
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, top_k=0,
+                                 max_new_tokens=8, num_return_sequences=samples, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)  # [b * samples, T + new]
+        texts = tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
+        for i, item in enumerate(items):
+            answers = texts[i * samples : (i + 1) * samples]
+            right = [a for a in answers if default_compute_score(item["data_source"], a, item["ground_truth"])]
+            wrong = [a for a in answers if a not in right and a.strip()]
+            for rejected in rng.sample(sorted(set(wrong)), min(2, len(set(wrong)))) if right else []:
+                chosen = rng.choice(right)  # up to 2 pairs a prompt: a right answer against 2 distinct wrong ones
+                if rng.random() < flip:
+                    chosen, rejected = rejected, chosen
+                rows.append(dict(prompt=list(item["messages"]), chosen=chosen, rejected=rejected))
+    os.makedirs(out_dir, exist_ok=True)
+    cut = len(rows) - len(rows) // 10
+    paths = os.path.join(out_dir, "pairs_train.parquet"), os.path.join(out_dir, "pairs_val.parquet")
+    pd.DataFrame(rows[:cut]).to_parquet(paths[0])
+    pd.DataFrame(rows[cut:]).to_parquet(paths[1])
+    return paths
+
+
+# The built-in task's training values (a 1M-parameter policy, answers of a few tokens), for the fields a run without
+# --model-path leaves at their defaults, as config.TASK_VALUES does for RL
+BUILTIN_VALUES = {"bt": dict(lr=1e-3, batch_size=64, epochs=3, eval_every=20, max_length=64, seed=1),
+                  "sigmoid": dict(lr=1e-4, batch_size=64, epochs=3, eval_every=20, max_length=64),
+                  "ipo": dict(lr=1e-4, batch_size=64, epochs=3, eval_every=20, max_length=64)}
+CACHE = "~/.cache/nanoverl/rlhf"  # the built-in task's pairs and reward model, in a folder named by the warm start
+
+
+def builtin_inputs() -> tuple[str, str, str]:
+    """(the built-in warm start, train pairs, val pairs) of the built-in RLHF task: sft.py's cached warm start, and
+    builtin_pairs of its answers to the arith prompts, made once and cached beside the reward model."""
+    from sft import SFTConfig, builtin_files, run as run_sft
+    policy = run_sft(SFTConfig())
+    root = builtin_root(policy)
+    paths = os.path.join(root, "pairs_train.parquet"), os.path.join(root, "pairs_val.parquet")
+    if not all(map(os.path.isfile, paths)):
+        train_file = builtin_files(SFTConfig(), os.path.join(root, "data"))[0]
+        paths = builtin_pairs(policy, train_file, root)
+    return policy, *paths
+
+
+def builtin_root(policy: str) -> str:
+    return os.path.join(os.path.expanduser(CACHE), hashlib.sha1(os.path.abspath(policy).encode()).hexdigest()[:10])
+
+
+def with_builtin(cfg: PreferenceConfig) -> PreferenceConfig:
+    """Without --model-path and --train-files: the built-in RLHF task's warm start and pairs, and its training values
+    (BUILTIN_VALUES) for the fields left at their defaults."""
+    if cfg.model_path is not None:
+        return cfg
+    policy, train, val = builtin_inputs()
+    defaults = {f.name: f.default for f in fields(type(cfg))}
+    values = {k: v for k, v in BUILTIN_VALUES[cfg.loss].items() if getattr(cfg, k) == defaults[k]}
+    print(f"the built-in RLHF task: {policy}, pairs {train}; " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    return replace(cfg, model_path=policy, train_files=train, val_files=cfg.val_files or val, **values)
+
+
+def builtin_reward_model() -> str:
+    """The built-in RLHF task's reward model (what ppo.py --task arith-rlhf scores with): reward_model.py's defaults
+    on the built-in inputs, trained in this process the first time, then cached. Its path."""
+    out = os.path.join(builtin_root(builtin_inputs()[0]), "rm")
+    if os.path.isfile(os.path.join(out, PREF_RESULT)):
+        print(f"{out} already holds the built-in reward model: reused")
+        return out
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    fit(replace(with_builtin(PreferenceConfig()), out_dir=out), Dist(0, 1, 0, device, None, True))
+    return out

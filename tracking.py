@@ -68,7 +68,8 @@ class Tracking:
 
 
 def plot_curves(records: list[dict], path: str):
-    """curves.png: training reward and held-out accuracy against step (with tools, the tool-call rates beside)."""
+    """curves.png: training reward and held-out accuracy against step (with tools, the tool-call rates beside; with
+    a learned reward model, the verifier's score of the same samples: their gap is reward hacking)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,6 +77,8 @@ def plot_curves(records: list[dict], path: str):
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label, marker in ((ax1, "critic/score/mean", "mean reward", None),
+                                   (ax1, "reward_model/rule_score/mean", "the verifier's score (vs the reward model)",
+                                    None),
                                    (ax1, "tool_calls/rate", "tool-call rate", None),
                                    (ax2, "val/accuracy", "greedy accuracy", "o"),
                                    (ax2, "val/tool_call_rate", "greedy tool-call rate", "s")):
