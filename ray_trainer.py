@@ -34,7 +34,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Literal
 
 import ray
@@ -51,7 +51,7 @@ from config import Config, with_task_values
 from data import load_reward_fn, load_tokenizer
 from ppo import Run, check_out_dir, load_task, loop, score, warm_start_and_task_files
 from rollout import RolloutOutput
-from workers import ActorWorker, CriticWorker, RolloutWorker, pad_batch
+from workers import ActorWorker, CriticWorker, RewardWorker, RolloutWorker, pad_batch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEATH_GRACE_S = 30.0  # after a worker's error, how long to wait for news that a peer died (the likelier cause)
@@ -65,6 +65,9 @@ class RayConfig:
     """placement split: workers in the critic's own pool (None: as many as workers)."""
     placement: Literal["colocated", "split"] = "colocated"
     """colocated: every role in one pool, one process a device; split: the critic in a pool of its own."""
+    reward_workers: int | None = None
+    """With reward_model_path: workers in the reward model's own pool (HybridFlow's fourth model apart); None: it
+    lives in the actor's processes, as the reference does."""
     cpus_per_worker: float = 1.0
     """CPUs of one bundle (one worker). Two 1-CPU workers fill a 2-core machine; split on it takes 0.5."""
     gpus_per_worker: int | None = None
@@ -97,7 +100,8 @@ class RayConfig:
     """Fault injection: the first this many incarnations of the groups fail (more than max_restarts: keeps dying)."""
 
     def __post_init__(self):
-        bounds = {"workers": 1, "critic_workers": 1, "fail_call": 1, "fail_times": 1, "max_restarts": 0}
+        bounds = {"workers": 1, "critic_workers": 1, "reward_workers": 1, "fail_call": 1, "fail_times": 1,
+                  "max_restarts": 0}
         for name, low in bounds.items():
             if (value := getattr(self, name)) is not None and value < low:  # critic_workers None: as many as workers
                 raise ValueError(f"ray.{name}={value} must be >= {low}")
@@ -143,7 +147,8 @@ class WorkerHost:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=master[0],
                               MASTER_PORT=str(master[1]))  # Ray gives each actor its own GPU as device 0
         self.dist, self.rank = init_distributed(cfg.dist_timeout_s), rank
-        kinds = {"actor": ActorWorker, "critic": CriticWorker, "rollout": RolloutWorker}
+        kinds = {"actor": ActorWorker, "critic": CriticWorker, "rollout": RolloutWorker,
+                 "reward": lambda cfg, _, dist: RewardWorker(cfg, dist)}
         paths = {"critic": cfg.critic_model_path}  # None: the policy's
         self.workers = {role: kinds[role](cfg, paths.get(role) or model_path, self.dist) for role in roles}
         self.fault, self.calls = fault, Counter()
@@ -373,6 +378,7 @@ class Driver:
 class Groups:
     actor: WorkerGroup
     critic: WorkerGroup | None
+    reward: WorkerGroup | None
     hosts: list  # every Ray actor, to shut down or kill
     pools: list  # placement groups
 
@@ -405,6 +411,10 @@ def start_groups(cfg: Config, rc: RayConfig, model_path: str, driver: Driver, in
     layout = [("actor", ["actor", "critic"] if with_critic and rc.placement == "colocated" else ["actor"], rc.workers)]
     if with_critic and rc.placement == "split":
         layout.append(("critic", ["critic"], rc.critic_workers or rc.workers))
+    if cfg.reward_model_path and rc.reward_workers:  # the reward model's own pool
+        layout.append(("reward", ["reward"], rc.reward_workers))
+    elif cfg.reward_model_path:
+        layout[0][1].append("reward")
     groups, all_hosts, pools = {}, [], []
     for name, roles, n in layout:
         pool, hosts = start_hosts(name, roles, n, cfg, rc, model_path, incarnation, len(all_hosts))
@@ -412,7 +422,7 @@ def start_groups(cfg: Config, rc: RayConfig, model_path: str, driver: Driver, in
             groups[role] = WorkerGroup(role, hosts, rc.call_timeout_s, driver, pool=name)
         all_hosts += hosts
         pools.append(pool)
-    return Groups(groups["actor"], groups.get("critic"), all_hosts, pools)
+    return Groups(groups["actor"], groups.get("critic"), groups.get("reward"), all_hosts, pools)
 
 
 def pinned(host: int, rc: RayConfig) -> list[int] | None:
@@ -605,15 +615,13 @@ class RolloutPool:
 
 def check(cfg: Config, rc: RayConfig) -> None:
     """What Config cannot check alone: the batch sizes against the groups' ranks."""
-    for name, n in (("ray.workers", rc.workers), ("ray.critic_workers", rc.critic_workers or rc.workers)):
+    for name, n in (("ray.workers", rc.workers), ("ray.critic_workers", rc.critic_workers or rc.workers),
+                    ("ray.reward_workers", rc.reward_workers or rc.workers)):
         if cfg.train_batch_size % n or cfg.ppo_mini_batch_size % n:
             raise ValueError(f"train_batch_size={cfg.train_batch_size} and ppo_mini_batch_size="
                              f"{cfg.ppo_mini_batch_size} must divide by {name}={n}")
     if cfg.rollout_backend == "hf" and rc.workers > 1 and not cfg.async_.rollout_workers:
         raise ValueError("rollout_backend='hf' runs in one process only; use 'vllm' with several workers")
-    if cfg.reward_model_path:
-        raise ValueError(f"reward_model_path={cfg.reward_model_path}: the learned reward model runs under torchrun "
-                         "for now (python ppo.py --reward-model-path ...); the Ray controller has no reward group yet")
     if cfg.fsdp.tp_size > 1:
         raise ValueError(f"fsdp.tp_size={cfg.fsdp.tp_size}: training tensor parallelism runs under torchrun "
                          "(torchrun --nproc_per_node=N grpo.py --fsdp.tp-size K); the Ray controller's groups are "
@@ -636,7 +644,9 @@ def train(rc_all: RayTrainerConfig) -> list[dict]:
                            **({} if rc.address else {"num_cpus": max(os.cpu_count() or 1, 2)}))
         if url := context.dashboard_url:
             print(f"[ray] dashboard: {url if '://' in url else 'http://' + url}", flush=True)
-    model_path, train_files, val_files = warm_start_and_task_files(cfg, init_distributed())  # the driver: no group
+    model_path, train_files, val_files, *reward_model = warm_start_and_task_files(cfg, init_distributed())  # no group
+    if reward_model:  # --task arith-rlhf's learned reward model
+        cfg = replace(cfg, reward_model_path=reward_model[0])
     task = load_task(cfg, model_path, train_files, val_files, 1)  # bad data: named before any worker starts
     restarts = 0
     while True:
@@ -645,7 +655,7 @@ def train(rc_all: RayTrainerConfig) -> list[dict]:
             groups = start_groups(cfg, rc, model_path, driver, restarts)
             if cfg.async_.rollout_workers:
                 pool = RolloutPool(cfg, rc, model_path, groups.actor, driver, first=len(groups.hosts))
-            records = loop(Run(cfg, task, groups.actor, groups.critic, driver, pool))
+            records = loop(Run(cfg, task, groups.actor, groups.critic, driver, pool, groups.reward))
             if pool:
                 pool.stop(clean=True)
             stop_hosts(groups.hosts, groups.pools, clean=True)

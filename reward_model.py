@@ -439,3 +439,11 @@ def builtin_reward_model() -> str:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     fit(replace(with_builtin(PreferenceConfig()), out_dir=out), Dist(0, 1, 0, device, None, True))
     return out
+
+
+HELP = """A reward model (Bradley-Terry) on preference pairs: --model-path (the policy it starts from), --train-files
+and --val-files (prompt / chosen / rejected parquet), --out-dir; then ppo.py --reward-model-path OUT_DIR. Without
+them: the built-in RLHF task's pairs and warm start. The README's "Bring your preferences" shows it all. All fields:"""
+
+if __name__ == "__main__":
+    run(tyro.cli(PreferenceConfig, description=HELP))

@@ -231,6 +231,7 @@ def test_rl_dataset_items(tmp_path, byte_tokenizer):
         "extra_info": {"split": "train", "index": 0},
         "index": 0,
         "where": f"{first}, row 0",
+        "messages": [{"role": "user", "content": "12+34="}],  # the chat prompt, for a reward model's own template
     }
     assert (dataset[2]["index"], dataset[2]["data_source"], dataset[2]["ground_truth"]) == (2, "openai/gsm8k", "7")
     assert dataset[2]["where"] == f"{second}, row 1"  # file and row, for errors about this prompt

@@ -191,3 +191,24 @@ def test_one_step_off_resumes_after_a_trainer_failure(grpo_runs, tmp_path):
     out = train(RayTrainerConfig(one_step_off(cfg, tmp_path, engines=1), rc))
     assert [r["step"] for r in out] == [0, 1, 2, 3]
     assert [r["async/staleness/max"] for r in out[1:]] == [0, 1, 0] and out[-1]["ray/restarts"] == 1
+
+
+def test_ray_with_the_reward_model_in_its_own_pool_equals_one_process(tiny_rl_setup, tmp_path):
+    """HybridFlow's fourth model apart: the actor in one pool, the learned reward model (a random scalar head on the
+    policy's tokenizer) in a pool of its own; HF generate, so one process computes the same run: the same scores of
+    the reward model, rewards, losses and weights step for step."""
+    from data import load_tokenizer
+    from ppo import train as train_one
+    from test_reward_model import scalar_head_model
+    scalar_head_model(load_tokenizer(tiny_rl_setup["model_path"]), tmp_path / "rm")
+    cfg = config(tiny_rl_setup, tmp_path / "one", rollout_backend="hf", reward_model_path=str(tmp_path / "rm"),
+                 ckpt_every=0)
+    train_one(cfg)
+    on_ray = replace(cfg, out_dir=str(tmp_path / "ray"))
+    train(RayTrainerConfig(on_ray, RayConfig(workers=1, reward_workers=1)))
+    one, two = records(cfg.out_dir), records(on_ray.out_dir)
+    assert_same_run(one, two, cfg.out_dir, on_ray.out_dir)
+    for a, b in zip(one[1:], two[1:]):
+        assert b["reward_model/score/mean"] == pytest.approx(a["reward_model/score/mean"], abs=1e-5)
+        assert b["critic/score/mean"] == pytest.approx(b["reward_model/score/mean"], abs=1e-6)  # replace
+        assert "timing_s/reward_model" in b
