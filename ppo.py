@@ -472,6 +472,10 @@ def load_task(cfg: Config, model_path: str, train_files: str, val_files: str, dp
         rm_tokenizer = load_tokenizer(cfg.reward_model_path)
         if rm_tokenizer.get_vocab() == tokenizer.get_vocab() and rm_tokenizer.chat_template == tokenizer.chat_template:
             rm_tokenizer = None
+        elif rm_tokenizer.pad_token_id is None or not rm_tokenizer.chat_template:  # re-tokenising needs both
+            missing = "a pad or EOS token" if rm_tokenizer.pad_token_id is None else "a chat template"
+            raise ValueError(f"reward_model_path={cfg.reward_model_path}: its tokenizer has no {missing}, which "
+                             "re-tokenising the responses for it needs (set it in its tokenizer_config.json)")
         rm_positions = AutoConfig.from_pretrained(cfg.reward_model_path).max_position_embeddings
     return Task(tokenizer, load_reward_fn(cfg.reward_fn_path, cfg.reward_fn_name), train_ds, val_rows,
                 train_ds.num_truncated + val_ds.num_truncated, AutoConfig.from_pretrained(model_path).hidden_size,

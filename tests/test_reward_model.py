@@ -194,6 +194,22 @@ def test_the_reward_worker_scores_as_a_plain_forward_in_its_own_tokens(tiny_rl_s
     assert scores.tolist() == pytest.approx(expected, abs=1e-5)
 
 
+def test_a_reward_models_tokenizer_without_pad_or_template_is_named(tiny_rl_setup, tmp_path):
+    """Where the reward model's tokenizer is not the policy's, it needs a pad (or EOS) token and a chat template."""
+    from conftest import toy_config
+    from ppo import load_task
+    bare = other_tokenizer()
+    bare.pad_token = bare.eos_token = None
+    scalar_head_model(bare, tmp_path / "no_pad")
+    untemplated = other_tokenizer()
+    untemplated.chat_template = None
+    scalar_head_model(untemplated, tmp_path / "no_template")
+    for folder, missing in (("no_pad", "a pad or EOS token"), ("no_template", "a chat template")):
+        cfg = toy_config(**tiny_rl_setup, reward_model_path=str(tmp_path / folder))
+        with pytest.raises(ValueError, match=f"reward_model_path=.*{folder}: its tokenizer has no {missing}"):
+            load_task(cfg, tiny_rl_setup["model_path"], tiny_rl_setup["train_files"], tiny_rl_setup["val_files"], 1)
+
+
 def test_reward_model_path_must_be_a_scalar_head(tiny_rl_setup, tmp_path):
     from conftest import toy_config
     with pytest.raises(ValueError, match=r"reward_model_path=.*model: not a scalar-head reward model \(architectures="
