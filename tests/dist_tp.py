@@ -6,10 +6,10 @@ zero-redundancy weight sync into vLLM engines sharded like the trainer (rollout_
 
 On the fixed batch of tests/dist_batching.py (each dp rank its half): the actor's log-probs, one update's full
 gradients (PPO's and GRPO's loss terms: clipped surrogate, KL, entropy; also with token-budget packed micro-batches
-and gradient checkpointing), the weights after one AdamW step, the
-critic's values, a reward model's scores (RewardWorker: the same plan, frozen); a checkpoint of the updated actor, which a dp 4 x tp 1 actor then loads (its full weights and
-AdamW state); and a verified sync of the slice path into the TP-2 engines (checksums of the blocks, the probe),
-then one of the full path (hybrid.layout full), with the bytes each rank handed over. Each rank writes
+and gradient checkpointing), the weights after one AdamW step, the critic's values, a reward model's scores
+(RewardWorker: the same plan, frozen); a checkpoint of the updated actor, which a dp 4 x tp 1 actor then loads (its
+full weights and AdamW state); and a verified sync of the slice path into the TP-2 engines (checksums of the blocks,
+the probe), then one of the full path (hybrid.layout full), with the bytes each rank handed over. Each rank writes
 OUT_DIR/rank{r}.pt.
 """
 

@@ -63,7 +63,8 @@ def tp_reward_model(tp_model, tmp_path_factory):
 def four_ranks(tp_model, tp_reward_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("dist_tp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=localhost:0", os.path.join(ROOT, "tests", "dist_tp.py"), tp_model, tp_reward_model, str(out)]
+           "--rdzv-endpoint=localhost:0", os.path.join(ROOT, "tests", "dist_tp.py"), tp_model, tp_reward_model,
+           str(out)]
     proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
