@@ -615,9 +615,12 @@ class RolloutPool:
 
 def check(cfg: Config, rc: RayConfig) -> None:
     """What Config cannot check alone: the batch sizes against the groups' ranks."""
-    for name, n in (("ray.workers", rc.workers), ("ray.critic_workers", rc.critic_workers or rc.workers),
-                    ("ray.reward_workers", rc.reward_workers or rc.workers)):
-        if cfg.train_batch_size % n or cfg.ppo_mini_batch_size % n:
+    if rc.reward_workers and not cfg.reward_model_path and cfg.task != "arith-rlhf":  # arith-rlhf brings its own
+        raise ValueError(f"ray.reward_workers={rc.reward_workers}: a reward model's pool, but no reward model "
+                         "(--reward-model-path, or --task arith-rlhf)")
+    for name, n in (("ray.workers", rc.workers), ("ray.critic_workers", rc.critic_workers),
+                    ("ray.reward_workers", rc.reward_workers)):
+        if n and (cfg.train_batch_size % n or cfg.ppo_mini_batch_size % n):
             raise ValueError(f"train_batch_size={cfg.train_batch_size} and ppo_mini_batch_size="
                              f"{cfg.ppo_mini_batch_size} must divide by {name}={n}")
     if cfg.rollout_backend == "hf" and rc.workers > 1 and not cfg.async_.rollout_workers:

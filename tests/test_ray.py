@@ -114,6 +114,15 @@ def test_rollout_tp_is_refused_by_name_on_the_ray_controller(tiny_rl_setup, tmp_
             check(config(tiny_rl_setup, tmp_path, rollout_tp=2), rc)
 
 
+def test_a_reward_pool_without_a_reward_model_is_refused_by_name(tiny_rl_setup, tmp_path):
+    """--ray.reward-workers with neither --reward-model-path nor --task arith-rlhf names the field (before any worker
+    starts) rather than run without the pool it asked for."""
+    with pytest.raises(ValueError, match=r"ray.reward_workers=1: a reward model's pool, but no reward model"):
+        check(config(tiny_rl_setup, tmp_path), RayConfig(workers=1, reward_workers=1))
+    with pytest.raises(ValueError, match=r"must divide by ray.reward_workers=3"):
+        check(config(tiny_rl_setup, tmp_path, task="arith-rlhf"), RayConfig(workers=1, reward_workers=3))
+
+
 def test_ray_ppo_split_equals_torchrun(tiny_rl_setup, ppo_two_ranks, tmp_path):
     """PPO with the critic in a pool and process group of its own (4 workers of half a CPU), the actor a LoRA
     adapter (its merged weights synced, verified, and exported), an adaptive KL coefficient in the reward: the run
