@@ -81,11 +81,15 @@ class Config:
     """Name of the function in reward_fn_path: (data_source, solution_str, ground_truth, extra_info)."""
     reward_model_path: str | None = None
     """A learned reward model (verl's reward_model.model.path): reward_model.py's output or any HF scalar-head model
-    (num_labels 1), scoring each prompt + response at its last token (workers.RewardWorker)."""
+    (num_labels 1), scoring each prompt + response at its last token; or dpo.py's output, scoring by DPO's implicit
+    reward against the model it started from (workers.RewardWorker)."""
     reward_model_mode: Literal["replace", "add"] = "replace"
     """How its score meets the rule reward: replace it, or add reward_model_coef * the score to it."""
     reward_model_coef: float = 1.0
     """The reward model's weight with reward_model_mode add."""
+    rlhf_reward: Literal["dpo", "bt"] = "dpo"
+    """--task arith-rlhf's learned reward model where reward_model_path is None, trained on its pairs the first time
+    and cached: dpo (dpo.py's policy, scored by its implicit reward) or bt (reward_model.py's scalar head)."""
     max_prompt_length: int = 512
     """Prompt tokens; a longer prompt is an error naming its row, unless truncate_prompts."""
     truncate_prompts: bool = False
@@ -96,7 +100,8 @@ class Config:
     """The built-in task: its files where train_files / val_files are None, its warm start without model_path, its
     tools where agent.tools_path is None (calculator: products with a calculator tool, data/calculator.py).
     arith-rlhf: arith's, with a learned reward model in place of the verifier where reward_model_path is None
-    (reward_model.builtin_reward_model: pairs of the warm start's own answers, 20% of the labels flipped; cached)."""
+    (reward_model.builtin_reward_model: pairs of the warm start's own answers, 20% of the labels flipped; rlhf_reward
+    says which model learns them; cached)."""
     # ---- rollout ----
     rollout_backend: Literal["vllm", "hf"] = "vllm"
     """In-process vLLM engine, or HF generate on the trainer's model (same interface)."""
@@ -425,6 +430,7 @@ BUILTIN_TASK = dict(lr=2e-4, critic_lr=1e-3, max_prompt_length=32, max_response_
                     ppo_mini_batch_size=8, ppo_micro_batch_size=64, log_prob_max_token_len_per_gpu=2048, ckpt_every=0)
 TASK_VALUES = {"arith": BUILTIN_TASK, "calculator": dict(BUILTIN_TASK, max_response_length=32),
                "arith-rlhf": dict(BUILTIN_TASK, use_kl_in_reward=True, kl_coef=0.2)}  # PPO: the KL holds off hacking
+PREF_RESULT = "preference_result.json"  # what reward_model.py / dpo.py write last into a model folder: the config
 SFT_RESULT = "sft_result.json"  # what sft.py writes last into a model folder; "rl_values": the tiny policy's values
 
 
@@ -492,9 +498,28 @@ def check_paths(cfg) -> None:
             raise FileNotFoundError(f"{name}={path}: no such file")
 
 
+def implicit_reward(path: str) -> tuple[str, float, bool] | None:
+    """(reference, beta, token mean) where path is dpo.py's output (its PREF_RESULT says loss sigmoid or ipo): the
+    terms of DPO's implicit reward, beta * log pi / pi_ref, whose reference is the model_path the DPO run started
+    from; None for any other folder."""
+    record = os.path.join(path, PREF_RESULT)
+    if not os.path.isfile(record):
+        return None
+    with open(record) as f:
+        trained = json.load(f)["config"]
+    return None if trained["loss"] == "bt" else (trained["model_path"], trained["beta"], trained["loss"] == "ipo")
+
+
 def check_reward_model(path: str) -> None:
     """reward_model_path must hold a scalar-head model: a *ForTokenClassification or *ForSequenceClassification
-    architecture with one label (else from_pretrained would put a random head on it, silently)."""
+    architecture with one label (else from_pretrained would put a random head on it, silently); or dpo.py's output,
+    whose reference is still where the DPO run read it."""
+    implicit = implicit_reward(path)
+    if implicit:
+        if not os.path.isfile(os.path.join(implicit[0], "config.json")):
+            raise FileNotFoundError(f"reward_model_path={path}: its DPO reference model_path={implicit[0]} (in "
+                                    f"{PREF_RESULT}) is not an HF model folder; the implicit reward needs it")
+        return
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     archs = config.get("architectures") or []
@@ -502,7 +527,7 @@ def check_reward_model(path: str) -> None:
     if not any(a.endswith(("ForTokenClassification", "ForSequenceClassification")) for a in archs) or labels != 1:
         raise ValueError(f"reward_model_path={path}: not a scalar-head reward model (architectures={archs}, "
                          f"num_labels={labels}; it needs a *ForTokenClassification or *ForSequenceClassification with "
-                         "num_labels 1, as reward_model.py writes)")
+                         "num_labels 1, as reward_model.py writes, or dpo.py's output)")
 
 
 def check_context(cfg: Config, name: str, path: str, positions: int) -> None:

@@ -451,7 +451,7 @@ def warm_start_and_task_files(cfg: Config, dist: Dist) -> tuple:
             files = tuple(f or b for f, b in zip(files, builtin))
         paths = (cfg.model_path or run_sft(SFTConfig(task=sft_task)), *files)
         if cfg.task == "arith-rlhf" and not cfg.reward_model_path:  # its reward model, learned from the warm start
-            paths += (builtin_reward_model(),)
+            paths += (builtin_reward_model(cfg.rlhf_reward),)
     return broadcast_object(paths, dist)
 
 

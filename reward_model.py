@@ -39,15 +39,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from batching import micro_batches, pad
 from comm import Dist, all_sum_fn, barrier, broadcast_object, init_distributed, shutdown
-from config import SFT_RESULT, recorded_values, split_files
+from config import PREF_RESULT, SFT_RESULT, recorded_values, split_files
 from core_algos import PreferenceLoss, preference_loss
 from data import RLDataset, default_compute_score, load_tokenizer, tokenize_prompt
 from sft import has, lookup, sft_pair
 from sharding import FSDPConfig, clip_grad_norm, export_hf, load_sharded_model
 from workers import pad_batch, response_log_probs, response_scores
-
-PREF_RESULT = "preference_result.json"  # in out_dir: what trained it, and how well
-
 
 @dataclass
 class PreferenceConfig:
@@ -429,15 +426,17 @@ def with_builtin(cfg: PreferenceConfig) -> PreferenceConfig:
     return replace(cfg, model_path=policy, train_files=train, val_files=cfg.val_files or val, **values)
 
 
-def builtin_reward_model() -> str:
-    """The built-in RLHF task's reward model (what ppo.py --task arith-rlhf scores with): reward_model.py's defaults
-    on the built-in inputs, trained in this process the first time, then cached. Its path."""
-    out = os.path.join(builtin_root(builtin_inputs()[0]), "rm")
+def builtin_reward_model(kind: str) -> str:
+    """The built-in RLHF task's reward model (what ppo.py --task arith-rlhf scores with; Config.rlhf_reward): dpo.py's
+    defaults (dpo, scored by the implicit reward) or reward_model.py's (bt) on the built-in inputs, trained in this
+    process the first time, then cached. Its path."""
+    out = os.path.join(builtin_root(builtin_inputs()[0]), "dpo" if kind == "dpo" else "rm")
     if os.path.isfile(os.path.join(out, PREF_RESULT)):
         print(f"{out} already holds the built-in reward model: reused")
         return out
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    fit(replace(with_builtin(PreferenceConfig()), out_dir=out), Dist(0, 1, 0, device, None, True))
+    cfg = PreferenceConfig(loss="sigmoid" if kind == "dpo" else "bt")
+    fit(replace(with_builtin(cfg), out_dir=out), Dist(0, 1, 0, device, None, True))
     return out
 
 

@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from agent import AgentLoop
 from batching import micro_batches, pack, packing_works, pad, unpack
 from comm import Dist, Max, Sum, all_max, all_sum_fn, broadcast, side_barrier, side_group, synchronize, timer
-from config import Config
+from config import Config, implicit_reward
 from core_algos import agg_loss, head_log_probs, kl_penalty, lr_factor, policy_loss, tis_weights, value_loss
 from data import load_tokenizer
 from hybrid_engine import (HybridEngine, checksum, probe_tokens, raise_on_sync_errors, sync_errors, trainer_checksums,
@@ -166,6 +166,15 @@ def response_scores(model, batch: TensorDict) -> torch.Tensor:
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     values = model(**inputs, use_cache=False).logits.squeeze(-1).float()  # [B, P + R]: one score a token
     return values.gather(1, last[:, None]).squeeze(1)  # [B]
+
+
+def implicit_scores(model, ref, batch: TensorDict, beta: float, token_mean: bool) -> torch.Tensor:
+    """DPO's implicit reward [B] of each response (Rafailov et al. 2023; RewardBench scores DPO models so): beta * the
+    sum over its tokens (IPO: the mean) of log pi - log pi_ref, at temperature 1, as dpo.py trained them."""
+    mask = batch["response_mask"]  # [B, R]
+    ratio = response_log_probs(model, batch, 1.0)[0] - response_log_probs(ref, batch, 1.0)[0]  # [B, R], 0 at padding
+    total = (ratio * mask).sum(-1)  # [B]
+    return beta * (total / mask.sum(-1).clamp(min=1) if token_mean else total)
 
 
 # ---- What the actor and the critic share ----------------------------------------------------------
@@ -618,25 +627,39 @@ class CriticWorker(Worker):
 
 
 class RewardWorker(Worker):
-    """A learned reward model (Config.reward_model_path: reward_model.py's output, or any HF scalar-head model), frozen:
-    sharded like the reference (FSDP2 over dp, TP_PLAN over tp, compute dtype), in host memory between its passes with
-    offload.reward_params. Its batch is in its own tokens (ppo.reward_model_batch re-tokenises where they differ)."""
+    """A learned reward model (Config.reward_model_path), frozen: a scalar head (reward_model.py's output, or any HF
+    scalar-head model) read at the response's last token; or dpo.py's policy, scored by its implicit reward against
+    the reference it started from. Sharded like the reference (FSDP2 over dp, TP_PLAN over tp, compute dtype), in
+    host memory between its passes with offload.reward_params. Its batch is in its own tokens (ppo.reward_model_batch
+    re-tokenises where they differ)."""
 
     role = "reward"
 
     def __init__(self, cfg: Config, dist: Dist):
         path = cfg.reward_model_path
-        config = AutoConfig.from_pretrained(path)
-        model = load_sharded_model(path, dist, cfg.fsdp, trainable=False, model_class=AutoModelForTokenClassification,
-                                   config=config)  # a *ForSequenceClassification folder's `score` head loads too
+        self.implicit = implicit_reward(path)  # (reference, beta, token mean) for a DPO policy, else None
+        if self.implicit:
+            model = load_sharded_model(path, dist, cfg.fsdp, trainable=False)
+            self.ref = load_sharded_model(self.implicit[0], dist, cfg.fsdp, trainable=False)
+        else:  # a *ForSequenceClassification folder's `score` head loads too
+            model = load_sharded_model(path, dist, cfg.fsdp, trainable=False, config=AutoConfig.from_pretrained(path),
+                                       model_class=AutoModelForTokenClassification)
+            self.ref = None
         super().__init__(cfg, dist, model, load_tokenizer(path), 0.0)
+        self.models = [m for m in (self.model, self.ref) if m is not None]
+        if self.offload_params and self.ref is not None:  # Worker.__init__ moved the model to host memory
+            relocate("cpu", [self.ref])
 
     @torch.no_grad()
     def scores(self, batch: TensorDict) -> torch.Tensor:
-        """The score [B] of each prompt + response, at the response's last token (response_scores). Collectives:
-        FSDP2's gathers and the micro-batch count (budget log_prob_max_token_len_per_gpu)."""
-        with self.resident(), self.measured("reward_model"):
-            return self.map_micro_batches(lambda mb: response_scores(self.model, mb), batch, "reward_model")
+        """The score [B] of each prompt + response: at the response's last token (response_scores), or the implicit
+        reward (implicit_scores). Collectives: FSDP2's gathers and the micro-batch count (budget
+        log_prob_max_token_len_per_gpu)."""
+        score = (lambda mb: implicit_scores(self.model, self.ref, mb, *self.implicit[1:])) if self.implicit else \
+            (lambda mb: response_scores(self.model, mb))
+        with placed(self.dist.device, "cpu", self.models if self.offload_params else []), \
+                self.measured("reward_model"):
+            return self.map_micro_batches(score, batch, "reward_model")
 
     def close(self) -> None:
         """Nothing to release (no engine)."""

@@ -118,21 +118,73 @@ def test_identical_pairs_are_counted_and_skipped_and_a_long_row_is_named(tiny_rl
         run(cfg)
 
 
-def test_dpo_raises_the_chosen_over_the_rejected(tiny_rl_setup, pairs, tmp_path):
+@pytest.fixture(scope="module")
+def dpo_models(tiny_rl_setup, pairs, tmp_path_factory):
+    """dpo.py on the digit pairs from the tiny policy, with the sigmoid loss and with IPO: {loss: (folder, result)}."""
+    from dpo import DPOConfig
+    root = tmp_path_factory.mktemp("dpo")
+    return {loss: (root / loss, run(DPOConfig(model_path=tiny_rl_setup["model_path"], train_files=pairs[0],
+                                              val_files=pairs[1], out_dir=str(root / loss), loss=loss, lr=3e-3,
+                                              batch_size=32, epochs=1, eval_every=4)))
+            for loss in ("sigmoid", "ipo")}
+
+
+def test_dpo_raises_the_chosen_over_the_rejected(dpo_models):
     """DPO (sigmoid) and IPO on the digit pairs: TRL's metrics; the held-out rewards/accuracies end above 90%
     and the margin grows; the export is a causal LM."""
-    from dpo import DPOConfig
     from transformers import AutoModelForCausalLM
-    for loss in ("sigmoid", "ipo"):
-        out = tmp_path / loss
-        result = run(DPOConfig(model_path=tiny_rl_setup["model_path"], train_files=pairs[0], val_files=pairs[1],
-                               out_dir=str(out), loss=loss, lr=3e-3, batch_size=32, epochs=1, eval_every=4))
+    for loss, (out, result) in dpo_models.items():
         kept = result["kept"]
         assert {"eval_logps/chosen", "eval_logps/rejected", "eval_rewards/chosen", "eval_rewards/rejected",
                 "eval_rewards/margins", "rewards/accuracies"} <= kept.keys()
         assert kept["eval_rewards/accuracies"] > 0.9, (loss, kept)
         assert kept["eval_rewards/margins"] > result["history"][0]["rewards/margins"], loss
         AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_a_dpo_policy_as_reward_model_scores_its_implicit_reward(tiny_rl_setup, dpo_models, pairs):
+    """--reward-model-path at dpo.py's output: RewardWorker's score is beta * the sum (IPO: the mean) over the response
+    tokens of log pi - log pi_ref, by hand from plain HF forwards of the DPO policy and the tiny policy it started
+    from; and it ranks the held-out chosen above the rejected as DPO's evaluation did."""
+    from transformers import AutoModelForCausalLM
+    from conftest import toy_config
+    from data import load_tokenizer, tokenize_prompt
+    from workers import RewardWorker, pad_batch
+    tok = load_tokenizer(tiny_rl_setup["model_path"])
+    val = pd.read_parquet(pairs[1])[:16]
+    prompts = [tokenize_prompt(tok, list(p)) for p in val["prompt"]] * 2
+    texts = val["chosen"].tolist() + val["rejected"].tolist()
+    responses = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    batch = pad_batch(prompts, responses, [[] for _ in responses], tok.pad_token_id)  # chosen rows, then rejected
+    ref = AutoModelForCausalLM.from_pretrained(tiny_rl_setup["model_path"]).eval()
+
+    def log_ratio(model, p, r):  # sum over r's tokens of log model(token | before it), one unpadded sequence
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1]  # [len(r), V]
+        return logits.log_softmax(-1).gather(1, torch.tensor(r)[:, None]).sum().item()
+
+    for loss, (folder, result) in dpo_models.items():
+        cfg = toy_config(**tiny_rl_setup, reward_model_path=str(folder), log_prob_max_token_len_per_gpu=40)
+        scores = RewardWorker(cfg, init_distributed()).scores(batch)  # [32]
+        policy = AutoModelForCausalLM.from_pretrained(folder).eval()
+        beta = result["config"]["beta"]
+        expected = [beta * (log_ratio(policy, p, r) - log_ratio(ref, p, r)) / (len(r) if loss == "ipo" else 1)
+                    for p, r in zip(prompts, responses)]
+        assert scores.tolist() == pytest.approx(expected, abs=1e-4), loss
+        assert (scores[:16] > scores[16:]).float().mean() > 0.9, loss
+
+
+def test_a_dpo_reward_model_without_its_reference_is_named(tiny_rl_setup, dpo_models, tmp_path):
+    import shutil
+    from conftest import toy_config
+    folder = tmp_path / "dpo"
+    shutil.copytree(dpo_models["sigmoid"][0], folder)
+    record = json.loads((folder / PREF_RESULT).read_text())
+    record["config"]["model_path"] = str(tmp_path / "gone")
+    (folder / PREF_RESULT).write_text(json.dumps(record))
+    with pytest.raises(FileNotFoundError, match=r"reward_model_path=.*dpo: its DPO reference model_path=.*gone "
+                                                r"\(in preference_result.json\) is not an HF model folder"):
+        toy_config(**tiny_rl_setup, reward_model_path=str(folder))
 
 
 def other_tokenizer():
