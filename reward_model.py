@@ -354,6 +354,18 @@ def fit(cfg: PreferenceConfig, dist) -> dict:
 # ---- The built-in RLHF task (--task arith-rlhf): pairs from the warm start's own samples, noisy labels ----
 
 
+@torch.no_grad()
+def sample_answers(model, tokenizer, items: list[dict], samples: int) -> list[list[str]]:
+    """`samples` answers of the policy to each of items' prompts (RLDataset rows), at temperature 1, as RL samples
+    the built-in task (8 new tokens at most)."""
+    input_ids, attention_mask = pad([r["prompt_ids"] for r in items], tokenizer.pad_token_id, left=True)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, top_k=0, max_new_tokens=8,
+                         num_return_sequences=samples, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)  # [b * samples, T + new]
+    texts = tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
+    return [texts[i * samples : (i + 1) * samples] for i in range(len(items))]
+
+
 def builtin_pairs(policy_path: str, train_file: str, out_dir: str, samples: int = 8, flip: float = 0.2,
                   seed: int = 0) -> tuple[str, str]:
     """(train, val) preference parquet from the policy's own sampled answers to the arith prompts: a prompt whose
@@ -366,14 +378,7 @@ def builtin_pairs(policy_path: str, train_file: str, out_dir: str, samples: int 
     torch.manual_seed(seed)
     for start in tqdm(range(0, len(ds), 256), desc="sampling pairs"):
         items = [ds[i] for i in range(start, min(start + 256, len(ds)))]
-        input_ids, attention_mask = pad([r["prompt_ids"] for r in items], tokenizer.pad_token_id, left=True)
-        with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, top_k=0,
-                                 max_new_tokens=8, num_return_sequences=samples, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)  # [b * samples, T + new]
-        texts = tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
-        for i, item in enumerate(items):
-            answers = texts[i * samples : (i + 1) * samples]
+        for item, answers in zip(items, sample_answers(model, tokenizer, items, samples)):
             right = [a for a in answers if default_compute_score(item["data_source"], a, item["ground_truth"])]
             wrong = [a for a in answers if a not in right and a.strip()]
             for rejected in rng.sample(sorted(set(wrong)), min(2, len(set(wrong)))) if right else []:
@@ -390,10 +395,11 @@ def builtin_pairs(policy_path: str, train_file: str, out_dir: str, samples: int 
 
 
 # The built-in task's training values (a 1M-parameter policy, answers of a few tokens), for the fields a run without
-# --model-path leaves at their defaults, as config.TASK_VALUES does for RL
+# --model-path leaves at their defaults, as config.TASK_VALUES does for RL (DPO's evaluations, two forwards of 1,731
+# pairs each, cost 5 s apiece on 2 cores: every 100 steps)
 BUILTIN_VALUES = {"bt": dict(lr=1e-3, batch_size=64, epochs=3, eval_every=20, max_length=64, seed=1),
-                  "sigmoid": dict(lr=1e-4, batch_size=64, epochs=3, eval_every=20, max_length=64),
-                  "ipo": dict(lr=1e-4, batch_size=64, epochs=3, eval_every=20, max_length=64)}
+                  "sigmoid": dict(lr=1e-4, batch_size=64, epochs=3, eval_every=100, max_length=64),
+                  "ipo": dict(lr=1e-4, batch_size=64, epochs=3, eval_every=100, max_length=64)}
 CACHE = "~/.cache/nanoverl/rlhf"  # the built-in task's pairs and reward model, in a folder named by the warm start
 
 
