@@ -46,6 +46,7 @@ from sft import has, lookup, sft_pair
 from sharding import FSDPConfig, clip_grad_norm, export_hf, load_sharded_model
 from workers import pad_batch, response_log_probs, response_scores
 
+
 @dataclass
 class PreferenceConfig:
     model_path: str | None = None

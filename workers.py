@@ -646,7 +646,6 @@ class RewardWorker(Worker):
                                        model_class=AutoModelForTokenClassification)
             self.ref = None
         super().__init__(cfg, dist, model, load_tokenizer(path), 0.0)
-        self.models = [m for m in (self.model, self.ref) if m is not None]
         if self.offload_params and self.ref is not None:  # Worker.__init__ moved the model to host memory
             relocate("cpu", [self.ref])
 
@@ -657,8 +656,8 @@ class RewardWorker(Worker):
         log_prob_max_token_len_per_gpu)."""
         score = (lambda mb: implicit_scores(self.model, self.ref, mb, *self.implicit[1:])) if self.implicit else \
             (lambda mb: response_scores(self.model, mb))
-        with placed(self.dist.device, "cpu", self.models if self.offload_params else []), \
-                self.measured("reward_model"):
+        models = [self.model] + ([self.ref] if self.ref is not None else [])
+        with placed(self.dist.device, "cpu", models if self.offload_params else []), self.measured("reward_model"):
             return self.map_micro_batches(score, batch, "reward_model")
 
     def close(self) -> None:

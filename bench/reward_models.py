@@ -4,7 +4,7 @@ learned from the same noisy pairs, scored here on the same held-out prompts and 
 verifier's truth (no flipped labels).
 
     python bench/reward_models.py                      # trains a built-in model that is not cached yet (~2-4 min)
-    python bench/reward_models.py --samples 16 --prompts 400
+    python bench/reward_models.py --samples 8 --best-of 4 8   # fewer samples a prompt
 
 Printed per model:
   true pair accuracy  the share of (right, wrong) answer pairs to the same prompt where the right one scores higher
